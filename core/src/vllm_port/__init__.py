@@ -1,0 +1,44 @@
+"""vllm-port: the portable hardware layer for LLM inference engines.
+
+Core defines the contracts (:mod:`vllm_port.hookspecs`), discovers vendor plugins and selects a
+platform; engines run through the bound ops::
+
+    import torch, vllm_port
+
+    runtime = vllm_port.load()                 # discover -> select
+    kernels = runtime.bind(torch.bfloat16)     # bind
+    y = kernels.rms_norm(x, weight, 1e-6)      # run
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .api import API_VERSION, ApiRange
+from .errors import ApiVersionError, OpInputError, PluginError, ProviderRejectedError, SelectionError, VllmPortError
+from .hookspecs import hookimpl
+from .platform import DeviceInfo, PlatformDescription, ProbeResult
+from .runtime import Runtime, load
+
+try:
+    __version__ = version("vllm-port")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0+unknown"
+
+__all__ = [
+    "API_VERSION",
+    "ApiRange",
+    "ApiVersionError",
+    "DeviceInfo",
+    "OpInputError",
+    "PlatformDescription",
+    "PluginError",
+    "ProbeResult",
+    "ProviderRejectedError",
+    "Runtime",
+    "SelectionError",
+    "VllmPortError",
+    "__version__",
+    "hookimpl",
+    "load",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks. They are not tests: each prints a table and can write JSON for docs/results/."""

@@ -1,0 +1,249 @@
+"""Discover installed plugins, check them against the contracts, and select a platform.
+
+Data flows one way: discover -> select -> bind -> run. Every plugin is loaded, validated and
+probed on its own; one that fails at any step is recorded with the reason and skipped, and never
+takes the process down.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from . import _defaults, hookspecs
+from .api import API_VERSION, ApiRange
+from .errors import ApiVersionError, PluginError, ProviderRejectedError, SelectionError
+from .ops import ALL_OPS, OpRegistry, Provider
+from .platform import PlatformDescription, ProbeResult, validate_description, validate_probe
+
+__all__ = ["ENTRY_POINT_GROUP", "Discovery", "PluginRecord", "discover", "parse_plugin_filter"]
+
+ENTRY_POINT_GROUP = "vllm_port"
+CORE_PLUGIN = "vllm-port"
+PLUGINS_ENV = "VLLM_PORT_PLUGINS"
+
+
+@dataclass
+class PluginRecord:
+    """What discovery learned about one installed plugin.
+
+    Attributes:
+        name: the entry-point name (``"cpu"``); also how ``VLLM_PORT_PLUGINS`` names it.
+        distribution: the installed distribution that declares it, and its ``version``.
+        api_range: the contract versions it says it implements.
+        description, probe: its platform's answers, when it is a platform plugin.
+        providers: the providers it registered; ``rejected`` the messages for those refused.
+        error: why the whole plugin was skipped, or ``None``.
+    """
+
+    name: str
+    distribution: str = ""
+    version: str = ""
+    api_range: str = ""
+    description: PlatformDescription | None = None
+    probe: ProbeResult | None = None
+    providers: list[Provider] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether its platform loaded cleanly and can run here."""
+        return self.error is None and self.probe is not None and self.probe.available
+
+    @property
+    def reason(self) -> str:
+        """Why it is or is not available, in one sentence."""
+        if self.error is not None:
+            return self.error
+        if self.probe is None:
+            return "not a platform plugin (it only adds providers or parts to other platforms)"
+        return self.probe.reason
+
+
+@dataclass
+class Discovery:
+    """The outcome of discovery: the plugin manager, what each plugin said, and the op registry."""
+
+    manager: pluggy.PluginManager
+    plugins: list[PluginRecord]
+    excluded: list[str]
+    registry: OpRegistry
+
+    def platforms(self) -> list[PluginRecord]:
+        """Records of platform plugins that loaded cleanly."""
+        return [r for r in self.plugins if r.description is not None and r.error is None]
+
+
+def parse_plugin_filter(spec: str | None) -> tuple[set[str], set[str]]:
+    """Parse ``"cpu,cuda"`` (allow only) or ``"-rocm,-xpu"`` (deny) into ``(allow, deny)`` name sets."""
+    allow: set[str] = set()
+    deny: set[str] = set()
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if item.startswith("-"):
+            deny.add(item[1:].strip())
+        elif item:
+            allow.add(item)
+    return allow, deny
+
+
+def discover(plugins: str | None = None, entry_points: Sequence[metadata.EntryPoint] | None = None) -> Discovery:
+    """Load, validate and probe every installed plugin that the filter admits.
+
+    :param plugins: allow/deny list as in ``VLLM_PORT_PLUGINS`` (read when ``None``).
+    :param entry_points: the entry points to load instead of the installed ones (tests).
+    :raises SelectionError: when the filter names a plugin that is not installed.
+    """
+    found = list(entry_points if entry_points is not None else metadata.entry_points(group=ENTRY_POINT_GROUP))
+    spec = plugins if plugins is not None else os.environ.get(PLUGINS_ENV)
+    allow, deny = parse_plugin_filter(spec)
+    names = {ep.name for ep in found}
+    unknown = sorted((allow | deny) - names)
+    if unknown:
+        source = "--plugins" if plugins is not None else PLUGINS_ENV
+        raise SelectionError(
+            f"{source}={spec!r} names {', '.join(map(repr, unknown))}, but no installed plugin is called that; "
+            f"installed plugins: {', '.join(sorted(names)) or 'none'}. Fix the name, or pip install vllm-port-<name>"
+        )
+    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager.add_hookspecs(hookspecs)
+    manager.register(_defaults, name=CORE_PLUGIN)
+    registry = OpRegistry(ALL_OPS)
+    records: list[PluginRecord] = []
+    excluded: list[str] = []
+    for ep in sorted(found, key=lambda e: e.name):
+        if (allow and ep.name not in allow) or ep.name in deny:
+            excluded.append(ep.name)
+            continue
+        record = _load_one(manager, registry, ep, records)
+        records.append(record)
+    return Discovery(manager, records, excluded, registry)
+
+
+def _load_one(
+    manager: pluggy.PluginManager, registry: OpRegistry, ep: metadata.EntryPoint, seen: list[PluginRecord]
+) -> PluginRecord:
+    dist = getattr(ep, "dist", None)
+    record = PluginRecord(ep.name, dist.name if dist else "?", dist.version if dist else "?")
+    try:
+        if any(r.name == ep.name for r in seen):
+            raise PluginError(
+                f"another installed distribution already declares a plugin named {ep.name!r}; uninstall one of them"
+            )
+        try:
+            module = ep.load()
+        except (Exception, SystemExit) as exc:
+            raise PluginError(
+                f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}. Fix or reinstall {record.distribution}"
+            ) from exc
+        _register(manager, ep.name, module)
+        try:
+            _check_plugin(manager, registry, module, record, seen)
+        except Exception:
+            manager.unregister(module)
+            raise
+    except PluginError as exc:
+        record.error = str(exc)
+    except Exception as exc:  # a plugin bug must never take discovery down
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+def _register(manager: pluggy.PluginManager, name: str, module: Any) -> None:
+    try:
+        manager.register(module, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(
+            f"does not match the hook specs: {exc}. Make each hookimpl's arguments a subset of the spec's (vllm_port.hookspecs)"
+        ) from exc
+    unknown = [caller.name for caller in manager.get_hookcallers(module) or [] if caller.spec is None]
+    if unknown:
+        manager.unregister(module)
+        raise PluginError(
+            f"implements {', '.join(unknown)}, which the contract does not define; check the spelling against vllm_port.hookspecs"
+        )
+
+
+def _check_plugin(
+    manager: pluggy.PluginManager, registry: OpRegistry, module: Any, record: PluginRecord, seen: list[PluginRecord]
+) -> None:
+    call = _own_caller(manager, module, record.name)
+    missing = [h for h in hookspecs.REQUIRED_HOOKS if not call.has(h)]
+    if missing:
+        raise PluginError(
+            f"does not implement the required hook {', '.join(missing)}; return the API range it supports, e.g. '>=1.0,<2'"
+        )
+    record.api_range = str(call("vllm_port_api_range"))
+    try:
+        supported = API_VERSION in ApiRange(record.api_range)
+    except ValueError as exc:
+        raise PluginError(f"vllm_port_api_range returned an invalid range: {exc}") from exc
+    if not supported:
+        raise ApiVersionError(
+            f"supports contract API {record.api_range}, but core is {API_VERSION}; "
+            f"install a {record.distribution} release built for API {API_VERSION}, or a vllm-port release in its range"
+        )
+    platform_hooks = [call.has(h) for h in hookspecs.PLATFORM_HOOKS]
+    if any(platform_hooks) and not all(platform_hooks):
+        raise PluginError(f"a platform plugin must implement both {' and '.join(hookspecs.PLATFORM_HOOKS)}")
+    if all(platform_hooks):
+        record.description = validate_description(call("vllm_port_platform_describe"))
+        taken = [
+            r.name
+            for r in seen
+            if r.description is not None and r.error is None and r.description.name == record.description.name
+        ]
+        if taken:
+            raise PluginError(
+                f"describes platform {record.description.name!r}, which plugin {taken[0]!r} already provides"
+            )
+        record.probe = validate_probe(call("vllm_port_platform_probe"))
+    offered = call("vllm_port_providers") if call.has("vllm_port_providers") else []
+    platform = record.description.name if record.description else ""
+    for candidate in offered or []:
+        try:
+            record.providers.append(registry.register(candidate, plugin=record.name, platform=platform))
+        except ProviderRejectedError as exc:
+            record.rejected.append(str(exc))
+
+
+class _own_caller:  # noqa: N801 - reads as a function at the call site
+    """Calls one plugin's own implementation of a hook, turning its failures into ``PluginError``."""
+
+    def __init__(self, manager: pluggy.PluginManager, module: Any, name: str) -> None:
+        self._impls: dict[str, Callable[..., Any]] = {}
+        for caller in manager.get_hookcallers(module) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is module:
+                    self._impls[caller.name] = impl.function
+        self._name = name
+
+    def has(self, hook: str) -> bool:
+        return hook in self._impls
+
+    def __call__(self, hook: str, **kwargs: Any) -> Any:
+        try:
+            return self._impls[hook](**kwargs)
+        except Exception as exc:
+            raise PluginError(f"{hook} raised {type(exc).__name__}: {exc}") from exc
+
+
+def first_result(manager: pluggy.PluginManager, hook: str, **kwargs: Any) -> tuple[str, Any]:
+    """Call ``hook`` in pluggy's order and return ``(plugin name, first non-None result)``.
+
+    Unlike ``manager.hook.<name>(...)``, a failure names the plugin that raised.
+    """
+    for impl in reversed(getattr(manager.hook, hook).get_hookimpls()):
+        try:
+            result = impl.function(**kwargs)
+        except Exception as exc:
+            raise PluginError(f"plugin {impl.plugin_name!r}: {hook} raised {type(exc).__name__}: {exc}") from exc
+        if result is not None:
+            return impl.plugin_name, result
+    return "", None

@@ -1,0 +1,195 @@
+"""Providers, the registry that checks them, and binding: each op resolved once to one function.
+
+A provider is a function that honours an op's contract, with a name, a priority and a support
+predicate. Registration refuses a provider whose signature differs from the op's reference.
+Binding picks, for one platform and dtype, the supported provider of highest priority for every
+op, with the reference last. The result, :class:`BoundOps`, holds the chosen functions as plain
+attributes: calling ``kernels.rms_norm(...)`` is one attribute load and a call, nothing more.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..errors import ProviderRejectedError, SelectionError
+from ._op import Op
+
+__all__ = ["FLOAT_DTYPES", "REFERENCE", "BindContext", "BoundOps", "OpRegistry", "Provider", "provider"]
+
+#: The name of the reference provider every op has.
+REFERENCE = "reference"
+FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+_REFERENCE_PRIORITY = -(2**31)
+_ANY_PLATFORM = "*"
+
+
+@dataclass(frozen=True)
+class BindContext:
+    """What binding knows when it asks a provider whether it supports the run ahead."""
+
+    platform: str
+    device_type: str
+    dtype: torch.dtype
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Provider:
+    """An implementation of one op.
+
+    Attributes:
+        op: the op's name.
+        name: the provider's name, unique per op (``"cpu_rms_norm"``, ``"triton_rms_norm"``).
+        fn: the implementation; its signature must equal the op reference's.
+        priority: higher is preferred; the reference has the lowest possible.
+        dtypes: the dtypes it claims; conformance checks each claim.
+        supports: optional predicate on the bind context (capabilities, platform) for finer limits.
+        platform: the platform it runs on; by default the registering plugin's platform.
+        plugin: the plugin that registered it (set by the registry).
+    """
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    priority: int = 0
+    dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
+    supports: Callable[[BindContext], bool] | None = None
+    platform: str = ""
+    plugin: str = ""
+
+    def is_supported(self, ctx: BindContext) -> bool:
+        """Whether this provider can serve the bind context (platform, dtype, predicate)."""
+        if self.platform not in (ctx.platform, _ANY_PLATFORM) or ctx.dtype not in self.dtypes:
+            return False
+        return self.supports is None or bool(self.supports(ctx))
+
+
+def provider(
+    op: str,
+    *,
+    name: str | None = None,
+    priority: int = 0,
+    dtypes: Iterable[torch.dtype] = FLOAT_DTYPES,
+    supports: Callable[[BindContext], bool] | None = None,
+) -> Callable[[Callable[..., Any]], Provider]:
+    """Decorator that turns a function into a :class:`Provider` of ``op`` (named after the function)."""
+
+    def wrap(fn: Callable[..., Any]) -> Provider:
+        return Provider(op, name or fn.__name__, fn, priority, frozenset(dtypes), supports)
+
+    return wrap
+
+
+class BoundOps:
+    """The ops bound for one platform and dtype: ``kernels.rms_norm(x, w, eps)`` calls the chosen provider."""
+
+    def __init__(self, ctx: BindContext, providers: Mapping[str, Provider]) -> None:
+        self.context = ctx
+        self.providers = dict(providers)
+        for op_name, chosen in providers.items():
+            setattr(self, op_name, chosen.fn)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names that are not bound ops
+        raise AttributeError(f"no op named {name!r} is bound; bound ops: {', '.join(sorted(self.providers))}")
+
+    def __repr__(self) -> str:
+        chosen = ", ".join(f"{op}={p.name}" for op, p in sorted(self.providers.items()))
+        return f"BoundOps({self.context.platform}, {self.context.dtype}: {chosen})"
+
+
+class OpRegistry:
+    """Every op of the contract and every provider plugins registered for them."""
+
+    def __init__(self, ops: Iterable[Op]) -> None:
+        self.ops: dict[str, Op] = {op.name: op for op in ops}
+        self._providers: dict[str, list[Provider]] = {
+            op.name: [
+                Provider(
+                    op.name, REFERENCE, op.reference, _REFERENCE_PRIORITY, op.dtypes, None, _ANY_PLATFORM, "vllm-port"
+                )
+            ]
+            for op in self.ops.values()
+        }
+
+    def register(self, candidate: Any, *, plugin: str, platform: str) -> Provider:
+        """Check ``candidate`` against its op's contract and add it; raise ``ProviderRejectedError`` if it breaks it."""
+        if not isinstance(candidate, Provider):
+            raise ProviderRejectedError(
+                f"plugin {plugin!r} returned {candidate!r} from vllm_port_providers; return Provider objects "
+                "(see vllm_port.ops.provider)"
+            )
+        who = f"provider {candidate.name!r} of plugin {plugin!r}"
+        op = self.ops.get(candidate.op)
+        if op is None:
+            raise ProviderRejectedError(
+                f"{who} is for op {candidate.op!r}, which the contract does not define; ops: {', '.join(sorted(self.ops))}"
+            )
+        _check_signature(who, op, candidate.fn)
+        if not candidate.dtypes or not candidate.dtypes <= op.dtypes:
+            raise ProviderRejectedError(
+                f"{who} claims dtypes {sorted(map(str, candidate.dtypes))}; op {op.name!r} is defined for {sorted(map(str, op.dtypes))}"
+            )
+        if any(p.name == candidate.name for p in self._providers[op.name]):
+            raise ProviderRejectedError(
+                f"{who}: op {op.name!r} already has a provider named {candidate.name!r}; pick a unique name"
+            )
+        registered = replace(candidate, plugin=plugin, platform=candidate.platform or platform)
+        self._providers[op.name].append(registered)
+        return registered
+
+    def candidates(self, op: str, platform: str | None = None) -> list[Provider]:
+        """Providers of ``op`` (for ``platform``, or all), highest priority first, the reference last."""
+        found = [p for p in self._providers[op] if platform is None or p.platform in (platform, _ANY_PLATFORM)]
+        return sorted(found, key=lambda p: -p.priority)
+
+    def resolve(self, op: str, ctx: BindContext, prefer: str | None = None) -> Provider:
+        """The provider that serves ``op`` in ``ctx``: ``prefer`` if named, else the best supported one."""
+        candidates = self.candidates(op, ctx.platform)
+        if prefer is not None:
+            named = [p for p in candidates if p.name == prefer]
+            if not named:
+                names = ", ".join(p.name for p in candidates)
+                raise SelectionError(
+                    f"op {op!r} has no provider named {prefer!r} on platform {ctx.platform!r}; candidates: {names}"
+                )
+            if not named[0].is_supported(ctx):
+                raise SelectionError(
+                    f"provider {prefer!r} of op {op!r} does not support {ctx.dtype} on {ctx.platform!r}"
+                )
+            return named[0]
+        return next(p for p in candidates if p.is_supported(ctx))  # the reference supports every op dtype
+
+    def bind(self, ctx: BindContext, prefer: Mapping[str, str] | None = None) -> BoundOps:
+        """Resolve every op once for ``ctx``; ``prefer`` maps op names to provider names that must serve them."""
+        prefer = dict(prefer or {})
+        unknown = set(prefer) - set(self.ops)
+        if unknown:
+            raise SelectionError(
+                f"provider preferences name unknown ops {sorted(unknown)}; ops: {', '.join(sorted(self.ops))}"
+            )
+        return BoundOps(ctx, {name: self.resolve(name, ctx, prefer.get(name)) for name in self.ops})
+
+
+def _check_signature(who: str, op: Op, fn: Callable[..., Any]) -> None:
+    if not callable(fn):
+        raise ProviderRejectedError(f"{who}: fn is {fn!r}, not a function")
+    try:
+        got = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise ProviderRejectedError(f"{who}: cannot read its signature ({exc})") from exc
+    try:  # resolve string annotations only for a readable message; they are not compared
+        got = inspect.signature(fn, eval_str=True)
+    except Exception:  # noqa: S110 - annotations naming TYPE_CHECKING-only types stay strings
+        pass
+    want = op.signature
+    shape = [(p.name, p.kind, p.default) for p in got.parameters.values()]
+    if shape != [(p.name, p.kind, p.default) for p in want.parameters.values()]:
+        raise ProviderRejectedError(
+            f"{who} has signature {op.name}{got}, but op {op.name!r} is {op.name}{want}; "
+            "use the same parameter names, kinds and defaults as the reference"
+        )

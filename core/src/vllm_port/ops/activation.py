@@ -1,0 +1,53 @@
+"""Gated activation ops: ``act(x[..., :d]) * x[..., d:]``, as the MLPs of Llama-family models use."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import OpInputError
+from ._checks import check_float
+from ._op import ErrorInput, Op, SampleInput, Tolerance
+
+
+def check_gated(op: str, x: torch.Tensor) -> int:
+    """Refuse arguments outside a gated activation's contract; return the output width ``d``."""
+    check_float(op, "x", x)
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise OpInputError(f"{op}: x has shape {tuple(x.shape)}; its last dimension must be even (gate and up halves)")
+    return x.shape[-1] // 2
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` in ``x``'s dtype, with ``d = x.shape[-1] // 2``."""
+    d = check_gated("silu_and_mul", x)
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _gated_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+    def case(label: str, tokens: int, width: int) -> SampleInput:
+        return SampleInput(label, (torch.randn(tokens, 2 * width, generator=gen).to(device, dtype),))
+
+    return [case("small", 5, 48), case("one token", 1, 128), case("llama3-8b decode", 4, 14336)]
+
+
+def _gated_errors(device: torch.device) -> list[ErrorInput]:
+    return [
+        ErrorInput("odd last dimension", (torch.randn(3, 7, device=device),), "must be even"),
+        ErrorInput("integer input", (torch.ones(3, 8, device=device, dtype=torch.int64),), "x has dtype"),
+    ]
+
+
+_GATED_TOLERANCES = {
+    torch.float32: Tolerance(1e-5, 1e-5, "exp and division round differently across math libraries"),
+    torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bfloat16 keeps 8 significant bits: silu and the product each round"),
+    torch.float16: Tolerance(1e-3, 2e-3, "float16 keeps 11 significant bits: silu and the product each round"),
+}
+
+silu_and_mul = Op(
+    name="silu_and_mul",
+    reference=silu_and_mul_reference,
+    tolerances=_GATED_TOLERANCES,
+    samples=_gated_samples,
+    errors=_gated_errors,
+)

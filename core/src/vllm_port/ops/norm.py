@@ -1,0 +1,72 @@
+"""Normalisation ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import OpInputError
+from ._checks import check_float, check_same
+from ._op import ErrorInput, Op, SampleInput, Tolerance
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """Refuse arguments outside ``rms_norm``'s contract."""
+    check_float("rms_norm", "x", x)
+    check_float("rms_norm", "weight", weight)
+    check_same("rms_norm", "weight", weight, "x", x)
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise OpInputError(
+            f"rms_norm: weight has shape {tuple(weight.shape)} but x has shape {tuple(x.shape)}; "
+            "weight must be 1-D with x's last dimension"
+        )
+    if not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
+        raise OpInputError(f"rms_norm: epsilon must be a finite float >= 0, got {epsilon!r}")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Root-mean-square norm over the last dimension, as Llama defines it.
+
+    The mean of squares is taken in float32 (float64 for float64 input), the normalised value is
+    rounded to ``x``'s dtype, then scaled by ``weight``.
+    """
+    check_rms_norm(x, weight, epsilon)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xc = x.to(compute)
+    variance = xc.pow(2).mean(dim=-1, keepdim=True)
+    return (xc * torch.rsqrt(variance + epsilon)).to(x.dtype) * weight
+
+
+def _rms_norm_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+    def case(label: str, tokens: int, hidden: int) -> SampleInput:
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+        w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+        return SampleInput(label, (x, w, 1e-6))
+
+    return [case("small", 7, 64), case("one token", 1, 256), case("llama3-8b decode", 4, 4096)]
+
+
+def _rms_norm_errors(device: torch.device) -> list[ErrorInput]:
+    x = torch.randn(2, 8, device=device)
+    return [
+        ErrorInput("weight of wrong length", (x, torch.ones(7, device=device), 1e-6), "weight has shape"),
+        ErrorInput("integer input", (x.to(torch.int32), torch.ones(8, device=device), 1e-6), "x has dtype"),
+        ErrorInput(
+            "mixed dtypes", (x, torch.ones(8, device=device, dtype=torch.float16), 1e-6), "cast them to one dtype"
+        ),
+        ErrorInput("negative epsilon", (x, torch.ones(8, device=device), -1.0), "epsilon"),
+    ]
+
+
+rms_norm = Op(
+    name="rms_norm",
+    reference=rms_norm_reference,
+    tolerances={
+        torch.float32: Tolerance(1e-5, 1e-5, "float32 reductions in another order differ by a few ulps"),
+        torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bfloat16 keeps 8 significant bits: two roundings of 2^-8 each"),
+        torch.float16: Tolerance(1e-3, 2e-3, "float16 keeps 11 significant bits: two roundings of 2^-11 each"),
+    },
+    samples=_rms_norm_samples,
+    errors=_rms_norm_errors,
+)

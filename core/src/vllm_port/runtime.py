@@ -1,0 +1,143 @@
+"""The runtime: the selected platform with its bound ops, allocator and communicator.
+
+``load()`` runs discovery and selection once; engines keep the returned :class:`Runtime` and call
+``bind(dtype)`` to get the kernels for their model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from .comm import Collectives, Communicator, PointToPoint
+from .discovery import Discovery, PluginRecord, discover, first_result
+from .errors import PluginError, SelectionError
+from .memory import Allocator
+from .ops import BindContext, BoundOps, OpRegistry
+from .platform import PlatformDescription
+
+__all__ = ["Runtime", "load", "parse_provider_preferences", "select"]
+
+DEVICE_ENV = "VLLM_PORT_DEVICE"
+PROVIDERS_ENV = "VLLM_PORT_OP_PROVIDERS"
+
+
+def select(discovery: Discovery, device: str | None = None) -> tuple[PluginRecord, str]:
+    """Pick the platform to run on and say why.
+
+    :param device: a platform name; ``VLLM_PORT_DEVICE`` is read when ``None``; otherwise the
+        available platform of highest priority wins.
+    :raises SelectionError: when the named platform is unknown or unavailable, or none is available.
+    """
+    source = "--device" if device is not None else DEVICE_ENV
+    device = device if device is not None else (os.environ.get(DEVICE_ENV) or None)
+    platforms = discovery.platforms()
+    summary = "; ".join(f"{r.name}: {r.reason}" for r in discovery.plugins) or "no plugin is installed"
+    if device is not None:
+        named = [r for r in platforms if r.description and r.description.name == device]
+        if not named:
+            known = ", ".join(sorted(r.description.name for r in platforms if r.description)) or "none"
+            raise SelectionError(
+                f"{source}={device!r} names no installed platform; platforms: {known}. Plugins: {summary}"
+            )
+        if not named[0].available:
+            raise SelectionError(f"{source}={device!r} is not available: {named[0].reason}")
+        return named[0], f"named by {source}={device}"
+    ranked = sorted((r for r in platforms if r.available), key=lambda r: -r.description.priority)  # type: ignore[union-attr]
+    if not ranked:
+        raise SelectionError(
+            f"no platform is available here. {summary}. Install a vendor plugin, e.g. pip install vllm-port-cpu"
+        )
+    ranking = ", ".join(f"{r.name} ({r.description.priority})" for r in ranked)  # type: ignore[union-attr]
+    return ranked[0], f"highest priority of the available platforms: {ranking}"
+
+
+def parse_provider_preferences(spec: str | None) -> dict[str, str]:
+    """Parse ``"rms_norm=reference,silu_and_mul=cpu_silu_and_mul"`` into ``{op: provider}``."""
+    prefer: dict[str, str] = {}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        op, sep, name = item.partition("=")
+        if not sep or not op.strip() or not name.strip():
+            raise SelectionError(f"{PROVIDERS_ENV}: cannot parse {item!r}; write op=provider pairs separated by commas")
+        prefer[op.strip()] = name.strip()
+    return prefer
+
+
+class Runtime:
+    """A selected platform and everything bound to it.
+
+    Attributes:
+        discovery: every plugin's record and the op registry.
+        selected: the chosen platform's record; ``reason`` says why it was chosen.
+    """
+
+    def __init__(self, discovery: Discovery, selected: PluginRecord, reason: str) -> None:
+        self.discovery = discovery
+        self.selected = selected
+        self.reason = reason
+
+    @property
+    def platform(self) -> PlatformDescription:
+        """The selected platform's description."""
+        assert self.selected.description is not None
+        return self.selected.description
+
+    @property
+    def registry(self) -> OpRegistry:
+        return self.discovery.registry
+
+    @property
+    def device(self) -> torch.device:
+        """The device tensors live on (device 0 of the platform)."""
+        return torch.device(self.platform.device_type, 0) if self.platform.device_type != "cpu" else torch.device("cpu")
+
+    def bind_context(self, dtype: torch.dtype) -> BindContext:
+        probe = self.selected.probe
+        return BindContext(
+            self.platform.name, self.platform.device_type, dtype, dict(probe.capabilities) if probe else {}
+        )
+
+    def bind(self, dtype: torch.dtype, prefer: Mapping[str, str] | None = None) -> BoundOps:
+        """Resolve every op once for ``dtype`` on the selected platform.
+
+        :param prefer: op -> provider name overrides; ``VLLM_PORT_OP_PROVIDERS`` is read when ``None``.
+        """
+        if prefer is None:
+            prefer = parse_provider_preferences(os.environ.get(PROVIDERS_ENV))
+        return self.registry.bind(self.bind_context(dtype), prefer)
+
+    def allocator(self) -> Allocator:
+        """The selected platform's allocator."""
+        plugin, allocator = first_result(self.discovery.manager, "vllm_port_allocator", platform=self.platform)
+        if not isinstance(allocator, Allocator):
+            raise PluginError(
+                f"platform {self.platform.name!r} has no allocator: no plugin answered vllm_port_allocator with an "
+                f"Allocator (got {allocator!r}{' from ' + plugin if plugin else ''})"
+            )
+        return allocator
+
+    def communicator(self) -> Communicator:
+        """The selected platform's point-to-point and collectives, each from whichever plugin serves it."""
+        _, p2p = first_result(self.discovery.manager, "vllm_port_point_to_point", platform=self.platform)
+        _, coll = first_result(self.discovery.manager, "vllm_port_collectives", platform=self.platform)
+        if not isinstance(p2p, PointToPoint) or not isinstance(coll, Collectives):
+            raise PluginError(
+                f"comm parts for {self.platform.name!r} are not PointToPoint/Collectives: {p2p!r}, {coll!r}"
+            )
+        return Communicator(p2p, coll)
+
+
+def load(plugins: str | None = None, device: str | None = None) -> Runtime:
+    """Discover installed plugins and select a platform.
+
+    :param plugins: allow/deny list, as ``VLLM_PORT_PLUGINS`` (``"cpu,cuda"`` or ``"-xpu"``).
+    :param device: platform to use, as ``VLLM_PORT_DEVICE``; the best available one when unset.
+    :raises SelectionError: for an unknown plugin or platform name, or when none is available.
+    """
+    discovery = discover(plugins)
+    selected, reason = select(discovery, device)
+    return Runtime(discovery, selected, reason)
