@@ -1,5 +1,7 @@
 """The op references against formulas written out in float64, their error inputs, and ``compare``."""
 
+import re
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ def test_silu_and_mul_reference_matches_the_formula():
 @pytest.mark.parametrize("op", ALL_OPS, ids=lambda op: op.name)
 def test_error_inputs_raise_naming_the_op_and_argument(op):
     for case in op.errors(torch.device("cpu")):
-        with pytest.raises(OpInputError, match=case.match) as info:
+        with pytest.raises(OpInputError, match=re.escape(case.match)) as info:
             op.reference(*case.args)
         assert str(info.value).startswith(f"{op.name}:"), case.label
 
@@ -32,8 +34,8 @@ def test_error_inputs_raise_naming_the_op_and_argument(op):
 def test_reference_is_within_its_own_tolerance_and_samples_are_random(op, dtype):
     gen = torch.Generator().manual_seed(1)
     for sample in op.samples(dtype, torch.device("cpu"), gen):
-        assert compare(op, sample.args, op.reference(*sample.args), dtype) is None, sample.label
-        assert all(not isinstance(a, torch.Tensor) or a.abs().sum() > 0 for a in sample.args)
+        assert op.check(op.reference, sample.args, dtype) is None, sample.label
+        assert bool(sample.args[0].ne(0).any()), f"{sample.label}: main input is all zeros"
     assert all(t.reason for t in op.tolerances.values())
 
 

@@ -19,10 +19,16 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench_dispatch(args: argparse.Namespace) -> int:
     from .bench import dispatch
 
     return dispatch.main(json_path=args.json)
+
+
+def _bench_ops(args: argparse.Namespace) -> int:
+    from .bench import ops
+
+    return ops.main(args.device, args.dtype, args.ops, args.max_tokens, args.json, args.plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     dispatch = bench_kinds.add_parser("dispatch", help="overhead of calling a bound op on CPU")
     dispatch.add_argument("--json", default=None, help="also write the results to this JSON file")
-    dispatch.set_defaults(run=_bench)
+    dispatch.set_defaults(run=_bench_dispatch)
+    ops = bench_kinds.add_parser(
+        "ops", help="every provider of every op against eager, Inductor and the device's ceilings"
+    )
+    ops.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
+    ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ops.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    ops.add_argument("--max-tokens", type=int, default=32768, help="skip token counts above this (CPU runs: ~1024)")
+    ops.add_argument("--json", default=None, help="write the results to this JSON file")
+    ops.add_argument("--plot", default=None, help="draw fraction-of-ceiling vs tokens to this PNG file")
+    ops.set_defaults(run=_bench_ops)
     return parser
 
 

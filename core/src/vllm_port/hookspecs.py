@@ -18,6 +18,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from .comm import Collectives, PointToPoint
+    from .graph import GraphCapture
     from .memory import Allocator, BlockPoolFactory, Migrator
     from .ops import Provider
     from .platform import PlatformDescription, ProbeResult
@@ -82,6 +83,17 @@ def vllm_port_platform_context_created() -> bool:
     :return: ``True`` once a device context exists in this process.
 
     Calling rule: optional; a plugin without device contexts (CPU) need not implement it.
+    """
+
+
+@hookspec(firstresult=True)
+def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | None:
+    """Provide graph capture (CUDA graphs, HIP graphs) for ``platform``.
+
+    :param platform: the selected platform; only asked when its description says ``graph_capture``.
+    :return: a :class:`vllm_port.graph.GraphCapture`, or ``None`` when this plugin has none for it.
+
+    Calling rule: first non-``None`` result wins.
     """
 
 

@@ -14,6 +14,7 @@ import torch
 from .comm import Collectives, Communicator, PointToPoint
 from .discovery import Discovery, PluginRecord, discover, first_result
 from .errors import PluginError, SelectionError
+from .graph import GraphCapture
 from .memory import Allocator
 from .ops import BindContext, BoundOps, OpRegistry
 from .platform import PlatformDescription
@@ -101,14 +102,15 @@ class Runtime:
             self.platform.name, self.platform.device_type, dtype, dict(probe.capabilities) if probe else {}
         )
 
-    def bind(self, dtype: torch.dtype, prefer: Mapping[str, str] | None = None) -> BoundOps:
+    def bind(self, dtype: torch.dtype, prefer: Mapping[str, str] | None = None, traceable: bool = False) -> BoundOps:
         """Resolve every op once for ``dtype`` on the selected platform.
 
         :param prefer: op -> provider name overrides; ``VLLM_PORT_OP_PROVIDERS`` is read when ``None``.
+        :param traceable: bind custom-op wrappers for ``torch.compile(fullgraph=True)``.
         """
         if prefer is None:
             prefer = parse_provider_preferences(os.environ.get(PROVIDERS_ENV))
-        return self.registry.bind(self.bind_context(dtype), prefer)
+        return self.registry.bind(self.bind_context(dtype), prefer, traceable)
 
     def allocator(self) -> Allocator:
         """The selected platform's allocator."""
@@ -119,6 +121,18 @@ class Runtime:
                 f"Allocator (got {allocator!r}{' from ' + plugin if plugin else ''})"
             )
         return allocator
+
+    def graph_capture(self) -> GraphCapture | None:
+        """The platform's graph capture, or ``None`` when it has none (a runner then runs eagerly)."""
+        if not self.platform.graph_capture:
+            return None
+        plugin, capture = first_result(self.discovery.manager, "vllm_port_graph_capture", platform=self.platform)
+        if not isinstance(capture, GraphCapture):
+            raise PluginError(
+                f"platform {self.platform.name!r} says graph_capture=True but no plugin answered "
+                f"vllm_port_graph_capture with a GraphCapture (got {capture!r}{' from ' + plugin if plugin else ''})"
+            )
+        return capture
 
     def communicator(self) -> Communicator:
         """The selected platform's point-to-point and collectives, each from whichever plugin serves it."""

@@ -11,11 +11,27 @@ from __future__ import annotations
 
 from ._op import ErrorInput, Op, SampleInput, Tolerance, compare
 from ._registry import FLOAT_DTYPES, REFERENCE, BindContext, BoundOps, OpRegistry, Provider, provider
-from .activation import silu_and_mul
-from .norm import rms_norm
+from .activation import gelu_and_mul, silu_and_mul
+from .attention import paged_attention, prefill_attention, reshape_and_cache
+from .linear import embedding, linear
+from .norm import fused_add_rms_norm, rms_norm
+from .rotary import make_cos_sin_cache, rotary_embedding
+from .sampling import sample
 
-#: Every op of the contract, in the order ``doctor`` lists them.
-ALL_OPS: tuple[Op, ...] = (rms_norm, silu_and_mul)
+#: Every op of the contract, in the order a Llama forward pass meets them.
+ALL_OPS: tuple[Op, ...] = (
+    embedding,
+    rms_norm,
+    fused_add_rms_norm,
+    linear,
+    rotary_embedding,
+    reshape_and_cache,
+    prefill_attention,
+    paged_attention,
+    silu_and_mul,
+    gelu_and_mul,
+    sample,
+)
 
 __all__ = [
     "ALL_OPS",
@@ -30,7 +46,17 @@ __all__ = [
     "SampleInput",
     "Tolerance",
     "compare",
+    "embedding",
+    "fused_add_rms_norm",
+    "gelu_and_mul",
+    "linear",
+    "make_cos_sin_cache",
+    "paged_attention",
+    "prefill_attention",
     "provider",
+    "reshape_and_cache",
     "rms_norm",
+    "rotary_embedding",
+    "sample",
     "silu_and_mul",
 ]

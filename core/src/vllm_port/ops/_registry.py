@@ -134,11 +134,12 @@ class OpRegistry:
             raise ProviderRejectedError(
                 f"{who} claims dtypes {sorted(map(str, candidate.dtypes))}; op {op.name!r} is defined for {sorted(map(str, op.dtypes))}"
             )
-        if any(p.name == candidate.name for p in self._providers[op.name]):
-            raise ProviderRejectedError(
-                f"{who}: op {op.name!r} already has a provider named {candidate.name!r}; pick a unique name"
-            )
         registered = replace(candidate, plugin=plugin, platform=candidate.platform or platform)
+        if any(p.name == registered.name and p.platform == registered.platform for p in self._providers[op.name]):
+            raise ProviderRejectedError(
+                f"{who}: op {op.name!r} already has a provider named {candidate.name!r} on platform "
+                f"{registered.platform!r}; pick a unique name"
+            )
         self._providers[op.name].append(registered)
         return registered
 
@@ -164,15 +165,25 @@ class OpRegistry:
             return named[0]
         return next(p for p in candidates if p.is_supported(ctx))  # the reference supports every op dtype
 
-    def bind(self, ctx: BindContext, prefer: Mapping[str, str] | None = None) -> BoundOps:
-        """Resolve every op once for ``ctx``; ``prefer`` maps op names to provider names that must serve them."""
+    def bind(self, ctx: BindContext, prefer: Mapping[str, str] | None = None, traceable: bool = False) -> BoundOps:
+        """Resolve every op once for ``ctx``.
+
+        :param prefer: op name -> provider name that must serve it.
+        :param traceable: bind each provider as a ``torch.library`` custom op, so that
+            ``torch.compile(fullgraph=True)`` traces it as one node; eager callers leave it off.
+        """
         prefer = dict(prefer or {})
         unknown = set(prefer) - set(self.ops)
         if unknown:
             raise SelectionError(
                 f"provider preferences name unknown ops {sorted(unknown)}; ops: {', '.join(sorted(self.ops))}"
             )
-        return BoundOps(ctx, {name: self.resolve(name, ctx, prefer.get(name)) for name in self.ops})
+        chosen = {name: self.resolve(name, ctx, prefer.get(name)) for name in self.ops}
+        if traceable:
+            from ._custom import as_custom_op
+
+            chosen = {name: replace(p, fn=as_custom_op(self.ops[name], p)) for name, p in chosen.items()}
+        return BoundOps(ctx, chosen)
 
 
 def _check_signature(who: str, op: Op, fn: Callable[..., Any]) -> None:

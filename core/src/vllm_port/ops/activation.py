@@ -24,11 +24,35 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def check_gelu_and_mul(x: torch.Tensor, approximate: str) -> int:
+    """Refuse arguments outside ``gelu_and_mul``'s contract; return the output width ``d``."""
+    d = check_gated("gelu_and_mul", x)
+    if approximate not in ("none", "tanh"):
+        raise OpInputError(f"gelu_and_mul: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return d
+
+
+def gelu_and_mul_reference(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``gelu(x[..., :d], approximate) * x[..., d:]`` in ``x``'s dtype; ``approximate`` is ``"none"`` or ``"tanh"``."""
+    d = check_gelu_and_mul(x, approximate)
+    return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
 def _gated_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
     def case(label: str, tokens: int, width: int) -> SampleInput:
         return SampleInput(label, (torch.randn(tokens, 2 * width, generator=gen).to(device, dtype),))
 
-    return [case("small", 5, 48), case("one token", 1, 128), case("llama3-8b decode", 4, 14336)]
+    return [
+        case("small", 5, 48),
+        case("one token", 1, 128),
+        case("llama3-8b decode", 4, 14336),
+        case("llama3-8b prefill", 32, 14336),
+    ]
+
+
+def _gelu_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+    samples = _gated_samples(dtype, device, gen)
+    return samples + [SampleInput(s.label + ", tanh", (*s.args, "tanh")) for s in samples[:2]]
 
 
 def _gated_errors(device: torch.device) -> list[ErrorInput]:
@@ -44,10 +68,28 @@ _GATED_TOLERANCES = {
     torch.float16: Tolerance(1e-3, 2e-3, "float16 keeps 11 significant bits: silu and the product each round"),
 }
 
+
+def _gated_fake(x: torch.Tensor, *_: object) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
 silu_and_mul = Op(
     name="silu_and_mul",
     reference=silu_and_mul_reference,
     tolerances=_GATED_TOLERANCES,
     samples=_gated_samples,
     errors=_gated_errors,
+    fake=_gated_fake,
+)
+
+gelu_and_mul = Op(
+    name="gelu_and_mul",
+    reference=gelu_and_mul_reference,
+    tolerances=_GATED_TOLERANCES,
+    samples=_gelu_samples,
+    errors=lambda device: [
+        *_gated_errors(device),
+        ErrorInput("unknown approximation", (torch.randn(2, 8, device=device), "fast"), "approximate"),
+    ],
+    fake=_gated_fake,
 )

@@ -1,4 +1,10 @@
-"""CPU providers of the contract ops, in torch: vectorised, no Python loop over tokens."""
+"""CPU providers of the contract ops, in torch: vectorised, no Python loop over tokens or sequences.
+
+This module holds the element-wise, norm, linear and rotary providers and exports :data:`PROVIDERS`,
+every provider of the plugin; the paged-cache ops live in :mod:`.attention`, sampling in
+:mod:`.sampling`. Every provider first runs its op's argument check, so it refuses exactly what the
+reference refuses, with the same message.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +12,98 @@ import torch
 import torch.nn.functional as F
 
 from vllm_port.ops import Provider, provider
-from vllm_port.ops.activation import check_gated
-from vllm_port.ops.norm import check_rms_norm
+from vllm_port.ops.activation import check_gated, check_gelu_and_mul
+from vllm_port.ops.linear import check_embedding, check_linear
+from vllm_port.ops.norm import check_fused_add_rms_norm, check_rms_norm
+from vllm_port.ops.rotary import check_rotary_embedding
+
+from . import attention, sampling
+
+__all__ = ["PROVIDERS"]
+
+
+@provider("embedding", name="cpu_embedding", priority=10)
+def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    check_embedding(input_ids, weight)
+    return F.embedding(input_ids, weight)  # takes int32 and int64 ids, any weight strides
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    # torch's fused kernel, fed float32 (float64 stays): the mean of squares and the scaling happen
+    # in the compute dtype, the result is rounded once to x's dtype and then scaled by the weight,
+    # as the reference does. For float32 ``.to`` returns the kernel's fresh output, so ``mul_`` is safe.
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return F.rms_norm(x.to(compute), (x.shape[-1],), eps=epsilon).to(x.dtype).mul_(weight)
 
 
 @provider("rms_norm", name="cpu_rms_norm", priority=10)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
-    # torch's fused rms_norm kernel accumulates in float32 for half types; round before the weight
-    # as the reference (and Llama) does.
     check_rms_norm(x, weight, epsilon)
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=epsilon).to(x.dtype) * weight
+    return _rms_norm(x, weight, epsilon)
+
+
+@provider("fused_add_rms_norm", name="cpu_fused_add_rms_norm", priority=10)
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    check_fused_add_rms_norm(x, residual, weight, epsilon)
+    residual.add_(x)  # rounded to residual's dtype, in place: the caller's residual stream
+    return _rms_norm(residual, weight, epsilon)
+
+
+@provider("linear", name="cpu_linear", priority=10)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    check_linear(x, weight, bias)
+    return F.linear(x, weight, bias)  # oneDNN / MKL GEMM with float32 accumulation for half types
+
+
+@provider("rotary_embedding", name="cpu_rotary_embedding", priority=10)
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+    rot = cos_sin_cache.shape[-1]
+    half = rot // 2
+    compute = torch.promote_types(query.dtype, torch.float32)
+    cos_sin = cos_sin_cache.index_select(0, positions).to(compute)  # [tokens, rot]
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
+    for t in (query, key):  # two tensors, not a loop over tokens
+        heads = t.view(t.shape[0], -1, head_size)  # splits the last dimension: a view for any row stride
+        # the two members of every rotated pair, as views into t: NeoX halves or GPT-J even/odd features
+        x1, x2 = (heads[..., :half], heads[..., half:rot]) if is_neox else (heads[..., 0:rot:2], heads[..., 1:rot:2])
+        a, b = x1.to(compute), x2.to(compute)  # for float32 these alias t: compute both outputs first
+        o1 = a * cos - b * sin
+        o2 = b * cos + a * sin
+        x1.copy_(o1)  # rounds once to t's dtype, in place
+        x2.copy_(o2)
 
 
 @provider("silu_and_mul", name="cpu_silu_and_mul", priority=10)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = check_gated("silu_and_mul", x)
-    out = F.silu(x[..., :d])
-    return out.mul_(x[..., d:])
+    return F.silu(x[..., :d]).mul_(x[..., d:])
 
 
-PROVIDERS: list[Provider] = [rms_norm, silu_and_mul]
+@provider("gelu_and_mul", name="cpu_gelu_and_mul", priority=10)
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    d = check_gelu_and_mul(x, approximate)
+    return F.gelu(x[..., :d], approximate=approximate).mul_(x[..., d:])
+
+
+#: Every provider of the CPU plugin, one per contract op, in the order of ``vllm_port.ops.ALL_OPS``.
+PROVIDERS: list[Provider] = [
+    embedding,
+    rms_norm,
+    fused_add_rms_norm,
+    linear,
+    rotary_embedding,
+    attention.reshape_and_cache,
+    attention.prefill_attention,
+    attention.paged_attention,
+    silu_and_mul,
+    gelu_and_mul,
+    sampling.sample,
+]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from vllm_port import PlatformDescription, ProbeResult, hookimpl
+from vllm_port.graph import GraphCapture
 from vllm_port.memory import Allocator
+from vllm_port.ops import Provider
 
-from . import platform
+from . import ops, platform
 from .memory import CudaAllocator
 
 
@@ -34,3 +36,15 @@ def vllm_port_platform_context_created() -> bool:
 @hookimpl
 def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
     return CudaAllocator() if platform.name == "cuda" else None
+
+
+@hookimpl
+def vllm_port_providers() -> list[Provider]:
+    return ops.providers()
+
+
+@hookimpl
+def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | None:
+    from .graph import CudaGraphCapture
+
+    return CudaGraphCapture() if platform.name == "cuda" else None

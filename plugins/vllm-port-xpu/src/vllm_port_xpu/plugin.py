@@ -6,8 +6,9 @@ import torch
 
 from vllm_port import PlatformDescription, ProbeResult, hookimpl
 from vllm_port.memory import Allocator
+from vllm_port.ops import Provider
 
-from . import platform
+from . import ops, platform
 from .memory import XpuAllocator
 
 
@@ -35,3 +36,8 @@ def vllm_port_platform_context_created() -> bool:
 @hookimpl
 def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
     return XpuAllocator() if platform.name == "xpu" else None
+
+
+@hookimpl
+def vllm_port_providers() -> list[Provider]:
+    return ops.providers()

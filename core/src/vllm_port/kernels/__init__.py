@@ -1,0 +1,1 @@
+"""Kernels shared by vendor plugins. Each subpackage needs its own compiler (``triton``) installed."""

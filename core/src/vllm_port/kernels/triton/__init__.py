@@ -1,0 +1,35 @@
+"""Triton kernels for the contract ops, written once and shared by the GPU plugins.
+
+Each module holds the kernels of a family of ops and a class whose methods are the providers
+(a bound method's signature is exactly the op reference's, so registration checks it like any
+other). ``providers(target, priority)`` gives a plugin every Triton provider configured for its
+hardware. Importing this package imports ``triton``.
+"""
+
+from __future__ import annotations
+
+from ...ops import FLOAT_DTYPES, Provider
+from .target import CUDA, INTERPRETER, ROCM, XPU, TritonTarget
+
+__all__ = ["CUDA", "INTERPRETER", "ROCM", "XPU", "TritonTarget", "kernel_classes", "providers"]
+
+
+def kernel_classes() -> list[type]:
+    """The kernel classes; each has ``OPS`` (the op names it serves) and takes a ``TritonTarget``."""
+    from .activation import ActivationKernels
+    from .attention import AttentionKernels
+    from .cache import CacheKernels
+    from .norm import NormKernels
+    from .rotary import RotaryKernels
+    from .sampling import SamplingKernels
+
+    return [NormKernels, ActivationKernels, RotaryKernels, CacheKernels, AttentionKernels, SamplingKernels]
+
+
+def providers(target: TritonTarget, priority: int = 20) -> list[Provider]:
+    """Every Triton provider launched with ``target``'s configuration, named ``triton_<op>``."""
+    found: list[Provider] = []
+    for cls in kernel_classes():
+        kernels = cls(target)
+        found += [Provider(op, f"triton_{op}", getattr(kernels, op), priority, FLOAT_DTYPES) for op in cls.OPS]
+    return found

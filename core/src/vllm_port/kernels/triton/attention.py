@@ -1,0 +1,622 @@
+"""Paged attention in Triton: decode (one query token per sequence) and varlen causal prefill.
+
+Both kernels read K/V straight from the paged cache ``[num_blocks, block_size, num_kv_heads,
+head_size]``: key ``t`` of sequence ``s`` is row ``t % block_size`` of physical block
+``block_tables[s, t // block_size]``. Scores are computed with ``tl.dot`` (float32 accumulation)
+and normalised with an online softmax in float32, in base 2 (``exp2``), the scale folded into one
+multiply.
+
+Decode (:meth:`AttentionKernels.paged_attention`)
+    One program per ``(sequence, KV head[, split])``. It holds *all* the query heads that share
+    the KV head (GQA) as the rows of one ``[GROUP_PAD, head]`` tile (padded to a power of two
+    >= 16 for ``tl.dot``), so every K/V row is loaded once and used by the whole group. Decode is
+    memory bound: the work is streaming K/V; the padded rows cost tensor-core time nobody waits for.
+    When ``num_seqs * num_kv_heads`` programs are too few to fill the GPU, the key range is also
+    split ``num_splits`` ways (flash-decoding): each split writes an unnormalised partial
+    (``acc, m, l``) and a second kernel merges them. The number of splits is chosen on the host from
+    shapes only; each program then divides *its own* sequence's key tiles among the splits, so long
+    and short sequences alike use every split.
+
+Prefill (:meth:`AttentionKernels.prefill_attention`)
+    Flash attention over a packed batch: grid ``(query blocks, sequences, query heads)``, the
+    heaviest (last) query blocks launched first. A program skips the key tiles that causality or the
+    sliding window hide entirely, runs the tiles every query row sees in full without any mask, and
+    applies the causal/window mask only on the few tiles at the diagonal (and at the window's edge).
+
+Cache slots a sequence does not own may hold anything (the tests fill them with NaN): every load
+that can reach such a slot is masked with ``other=0``, so nothing from them enters a sum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ops.attention import check_paged_attention, check_prefill_attention
+from .target import TritonTarget
+
+__all__ = ["AttentionKernels"]
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in base 2: exp(x) = exp2(x * LOG2E)
+
+# Split-K (flash-decoding) policy for decode, all from host-known shapes.
+_SPLIT_IF_PROGRAMS_BELOW = 2  # split when num_seqs * num_kv_heads < this many programs per SM
+_SPLIT_TARGET = 4  # ... aiming at about this many programs per SM in all
+_MIN_TILES_PER_SPLIT = 4  # a split streams at least this many key tiles (amortises the merge)
+_MAX_SPLITS = 64
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers shared by both kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (not every Triton version has a portable tanh); exact limits at +-inf."""
+    e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))  # exp(-2|x|) in (0, 1]: never overflows
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _page_rows(
+    block_table_row,
+    start,
+    offs_n,
+    limit,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Where keys ``start .. start+BLOCK_N-1`` of a sequence live: ``(physical block, row in it)``.
+
+    Args:
+        block_table_row: pointer to the sequence's row of ``block_tables``.
+        start: the tile's first key position (a multiple of the tile size).
+        offs_n: ``arange(0, BLOCK_N)``.
+        limit: keys at or past it are not read (their block-table entry may not exist).
+        PAGE_TILE: the whole tile lies in one cache block (``block_size % BLOCK_N == 0``):
+            one scalar block-table load instead of one per key.
+        MASKED: ``limit`` can fall inside this tile.
+
+    The physical block comes back as int64: ``block * stride`` overflows int32 on large caches.
+    """
+    if PAGE_TILE:
+        block = tl.load(block_table_row + start // BLOCK_SIZE).to(tl.int64)
+        return block, (start % BLOCK_SIZE) + offs_n
+    else:
+        pos = start + offs_n
+        if MASKED:
+            block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos < limit, other=0)
+        else:
+            block = tl.load(block_table_row + pos // BLOCK_SIZE)
+        return block.to(tl.int64), pos % BLOCK_SIZE
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,  # [num_seqs, num_heads, HEAD_SIZE] in the query's dtype (written unless SPLIT)
+    part_acc_ptr,  # [num_seqs, num_heads, num_splits, HEAD_SIZE] float32 unnormalised partial outputs
+    part_m_ptr,  # [num_seqs, num_heads, num_splits] float32 running max (base 2) of each split
+    part_l_ptr,  # [num_seqs, num_heads, num_splits] float32 softmax denominators of each split
+    q_ptr,  # [num_seqs, num_heads, HEAD_SIZE] query (the sequence's last token)
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_SIZE]
+    v_cache_ptr,  # same layout as the key cache
+    block_tables_ptr,  # [num_seqs, max_blocks] int32/int64 physical block of each logical block
+    seq_lens_ptr,  # [num_seqs] tokens in the cache, the query's own included
+    scale,  # softmax scale (usually head_size ** -0.5)
+    soft_cap,  # > 0: scores become soft_cap * tanh(score / soft_cap)
+    sliding_window,  # > 0: only the sliding_window most recent keys are seen
+    stride_qs,  # query strides: sequence, head (the head dim is contiguous, as in every tensor here)
+    stride_qh,
+    stride_os,  # output strides: sequence, head
+    stride_oh,
+    stride_kb,  # key cache strides: block, row in the block, KV head
+    stride_ks,
+    stride_kh,
+    stride_vb,  # value cache strides: block, row in the block, KV head
+    stride_vs,
+    stride_vh,
+    stride_bt,  # block_tables row stride
+    num_splits,  # programs sharing one sequence's keys (a runtime value: batch sizes do not recompile)
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's minimum M)
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_SIZE rounded up to a power of two
+    BLOCK_SIZE: tl.constexpr,  # cache block size (tokens per physical block)
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for _merge_splits_kernel, else the output
+    PAGE_TILE: tl.constexpr,  # BLOCK_SIZE % BLOCK_N == 0: a key tile never straddles two blocks
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32), None for 16-bit inputs
+    DOT_FP32: tl.constexpr,  # feed tl.dot float32 operands (CPU interpreter only, see _dot_fp32)
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0  # first key position the query sees
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - sliding_window, 0)
+    tile_lo = lo // BLOCK_N
+    tile_hi = tl.cdiv(seq_len, BLOCK_N)
+    if SPLIT:  # this split's share of this sequence's tiles
+        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_SIZE  # all true unless the head is padded; constant along it, so loads stay vectorised
+    heads = kv_head * GROUP + offs_g
+    head_ok = offs_g < GROUP
+    q_ptrs = q_ptr + (seq.to(tl.int64) * stride_qs + heads * stride_qh)[:, None] + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    if USE_SOFT_CAP:  # s = soft_cap * tanh(scale * qk / soft_cap), in base 2
+        qk_scale = scale / soft_cap
+        s_scale = soft_cap * LOG2E
+    else:
+        qk_scale = scale * LOG2E
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = kv_head.to(tl.int64) * stride_kh
+    v_head = kv_head.to(tl.int64) * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        start = tile * BLOCK_N
+        pos = start + offs_n
+        key_ok = (pos < seq_len) & (pos >= lo)
+        kv_mask = key_ok[:, None] & d_ok[None, :]  # other=0: slots past the sequence may hold NaN
+        block, row = _page_rows(table, start, offs_n, seq_len, BLOCK_SIZE, PAGE_TILE, True)
+
+        k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFT_CAP:
+            s = _tanh(s) * s_scale
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        # every tile in [tile_lo, tile_hi) holds a visible key, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
+        if DOT_FP32:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if not SPLIT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l == 0 only for an empty sequence: output 0
+        o_ptrs = out_ptr + (seq.to(tl.int64) * stride_os + heads * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+    else:
+        # partials are contiguous: index ((seq * num_heads + head) * num_splits + split)
+        part = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=head_ok)
+        tl.store(part_l_ptr + part, l_i, mask=head_ok)
+        a_ptrs = part_acc_ptr + (part * HEAD_SIZE)[:, None] + offs_d[None, :]
+        tl.store(a_ptrs, acc, mask=head_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_seqs, num_heads, HEAD_SIZE]
+    part_acc_ptr,  # [num_seqs, num_heads, num_splits, HEAD_SIZE] float32
+    part_m_ptr,  # [num_seqs, num_heads, num_splits] float32 (base-2 max; -inf for an empty split)
+    part_l_ptr,  # [num_seqs, num_heads, num_splits] float32
+    stride_os,  # output strides: sequence, head
+    stride_oh,
+    num_splits,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+):
+    """One program per (sequence, query head): rescale each split's partial to a common max and normalise."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    split_ok = offs_s < num_splits
+    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+
+    m_part = tl.load(part_m_ptr + base + offs_s, mask=split_ok, other=float("-inf"))
+    l_part = tl.load(part_l_ptr + base + offs_s, mask=split_ok, other=0.0)
+    m_max = tl.max(m_part, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (empty sequence)
+    w = tl.exp2(m_part - m_max)  # empty splits (m = -inf) weigh 0
+    denom = tl.sum(l_part * w, 0)
+    a_ptrs = part_acc_ptr + ((base + offs_s) * HEAD_SIZE)[:, None] + offs_d[None, :]
+    acc = tl.load(a_ptrs, mask=split_ok[:, None] & (offs_d[None, :] < HEAD_SIZE), other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_tile(
+    acc,  # [BLOCK_M, HEAD_PAD] float32 running (unnormalised) output of the query rows
+    l_i,  # [BLOCK_M] running softmax denominators
+    m_i,  # [BLOCK_M] running maxima of the base-2 scores
+    q,  # [BLOCK_M, HEAD_PAD] queries
+    q_pos,  # [BLOCK_M] positions of the query rows in the sequence
+    start,  # first key position of the tile
+    offs_n,  # arange(0, BLOCK_N)
+    offs_d,  # arange(0, HEAD_PAD)
+    d_ok,  # offs_d < HEAD_SIZE
+    seq_len,
+    sliding_window,
+    qk_scale,  # scores are qk * qk_scale, or with a soft cap tanh(qk * qk_scale) * s_scale
+    s_scale,
+    table,  # the sequence's block-table row
+    k_cache_ptr,
+    v_cache_ptr,
+    k_head,  # offset of the KV head in a cache row (int64)
+    v_head,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,  # the tile crosses the diagonal, the window edge or the sequence end
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One step of the online softmax over keys ``start .. start+BLOCK_N-1``."""
+    k_pos = start + offs_n
+    key_ok = k_pos < seq_len
+    if MASKED:
+        kv_mask = key_ok[:, None] & d_ok[None, :]  # other=0: slots past the sequence may hold NaN
+    else:
+        kv_mask = d_ok[None, :]
+    block, row = _page_rows(table, start, offs_n, seq_len, BLOCK_SIZE, PAGE_TILE, MASKED)
+    k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if USE_SOFT_CAP:
+        s = _tanh(s) * s_scale
+    if MASKED:
+        seen = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        if USE_WINDOW:
+            seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
+    if DOT_FP32:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr,  # [num_tokens, num_heads, HEAD_SIZE]
+    q_ptr,  # [num_tokens, num_heads, HEAD_SIZE] packed queries of all sequences
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_SIZE]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks]
+    cu_seqlens_q_ptr,  # [num_seqs + 1] offsets of each sequence's queries in the packed batch
+    seq_lens_ptr,  # [num_seqs] cached tokens (prefix + the new ones)
+    scale,  # softmax scale
+    soft_cap,  # > 0: scores become soft_cap * tanh(score / soft_cap)
+    sliding_window,  # > 0: query at position p sees keys p - sliding_window + 1 .. p
+    stride_qt,  # query strides: token, head
+    stride_qh,
+    stride_ot,  # output strides: token, head
+    stride_oh,
+    stride_kb,  # key cache strides: block, row in the block, KV head
+    stride_ks,
+    stride_kh,
+    stride_vb,  # value cache strides
+    stride_vs,
+    stride_vh,
+    stride_bt,  # block_tables row stride
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    PAGE_TILE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # Causal blocks late in a sequence do the most work: launch them first so the short ones fill the tail.
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m0 = q_block * BLOCK_M
+    if m0 < q_len:  # grids are sized by max_query_len: shorter sequences have idle blocks
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len  # tokens cached before this step's queries
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_SIZE
+        row_ok = offs_m < q_len
+        q_pos = ctx + offs_m
+        first = ctx + m0  # position of the block's first query
+        last = ctx + tl.minimum(m0 + BLOCK_M, q_len) - 1  # ... and of its last real one
+
+        q_ptrs = q_ptr + ((q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh)[:, None] + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        s_scale = 1.0
+        if USE_SOFT_CAP:  # s = soft_cap * tanh(scale * qk / soft_cap), in base 2
+            qk_scale = scale / soft_cap
+            s_scale = soft_cap * LOG2E
+        else:
+            qk_scale = scale * LOG2E
+
+        # Key tiles: [t_begin, t_end) holds every key some row sees. Inside it, [u_begin, u_end) are
+        # the tiles every row sees whole (past the window edge of the last row, up to the first
+        # row's diagonal): no mask there. The tiles either side get the mask.
+        lo = 0
+        full_lo = 0
+        if USE_WINDOW:
+            lo = tl.maximum(first - sliding_window + 1, 0)
+            full_lo = tl.maximum(last - sliding_window + 1, 0)
+        t_begin = lo // BLOCK_N
+        t_end = tl.cdiv(last + 1, BLOCK_N)
+        u_begin = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), t_begin), t_end)
+        u_end = tl.minimum(tl.maximum((first + 1) // BLOCK_N, u_begin), t_end)
+
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_head = kv_head.to(tl.int64) * stride_kh
+        v_head = kv_head.to(tl.int64) * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for tile in range(t_begin, u_begin):  # before the window edge (sliding window only)
+            acc, l_i, m_i = _prefill_tile(
+                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, sliding_window, qk_scale,
+                s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+            )  # fmt: skip
+        for tile in range(u_begin, u_end):  # seen by every row: no mask
+            acc, l_i, m_i = _prefill_tile(
+                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, sliding_window, qk_scale,
+                s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, False, DOT_PRECISION, DOT_FP32,
+            )  # fmt: skip
+        for tile in range(u_end, t_end):  # the diagonal
+            acc, l_i, m_i = _prefill_tile(
+                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, sliding_window, qk_scale,
+                s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+            )  # fmt: skip
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + ((q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units) of ``device``: a host-side property query, no sync."""
+    if device.type == "cuda":  # NVIDIA and ROCm
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":  # Xe cores
+        return int(getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 0) or 64)
+    return 4  # the interpreter: a few "SMs" so that tiny test batches exercise the split path
+
+
+def _decode_splits(num_programs: int, max_tiles: int, num_sms: int) -> int:
+    """How many ways to split each sequence's keys, from shapes known on the host.
+
+    No split while ``num_seqs * num_kv_heads`` programs already give every SM two or more;
+    otherwise aim at ``_SPLIT_TARGET`` programs per SM, each split keeping at least
+    ``_MIN_TILES_PER_SPLIT`` key tiles of the longest sequence the block table can describe.
+    """
+    if num_programs <= 0 or num_programs >= _SPLIT_IF_PROGRAMS_BELOW * num_sms:
+        return 1
+    wanted = triton.cdiv(_SPLIT_TARGET * num_sms, num_programs)
+    return max(1, min(wanted, triton.cdiv(max_tiles, _MIN_TILES_PER_SPLIT), _MAX_SPLITS))
+
+
+def _tiles(target: TritonTarget, head_pad: int, elem_size: int) -> tuple[int, int, int]:
+    """``(block_m, block_n, stages)``: the target's, shrunk for rows wider than bf16 x 128 (head 256, float32).
+
+    K/V tiles are ``block_n * head_pad * elem_size`` bytes, buffered up to ``stages`` deep in shared
+    memory, and the accumulator is ``block_m * head_pad`` float32 registers: both are halved per doubling
+    of the row past 256 bytes (CUDA: 128/64 for bf16 x 128, 64/32 for float32 x 128 or bf16 x 256).
+    """
+    block_m, block_n, stages = target.attn_block_m, target.attn_block_n, target.attn_stages
+    row_bytes = head_pad * elem_size
+    for _ in range(max(0, (row_bytes // 256).bit_length() - 1)):  # halve per doubling of the row
+        block_m, block_n, stages = max(16, block_m // 2), max(16, block_n // 2), max(1, min(stages, 2))
+    return block_m, block_n, stages
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels step along the head dimension by 1; copy the rare tensor that does not (a metadata check, no sync)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None  # float32 must not round to TF32 (tolerance 1e-4)
+
+
+def _dot_fp32(query: torch.Tensor) -> bool:
+    """Upcast tl.dot's 16-bit operands on the CPU interpreter (exact: products are summed in float32 anyway).
+
+    Its dot multiplies bfloat16 bit patterns as integers, and NumPy has no fast float16 matmul.
+    """
+    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+
+
+class AttentionKernels:
+    """Decode and prefill attention over the paged KV cache, launched with one target's tiles."""
+
+    OPS = ("paged_attention", "prefill_attention")
+
+    def __init__(self, target: TritonTarget) -> None:
+        self.target = target
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+    ) -> torch.Tensor:
+        """Decode attention (see :func:`vllm_port.ops.attention.paged_attention_reference`)."""
+        check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+        return self._decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+
+    def _decode(
+        self, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, num_splits=None
+    ):
+        """Launch decode with ``num_splits`` key splits (None: by :func:`_decode_splits`; 1: no merge kernel)."""
+        query, key_cache, value_cache = _unit_stride(query), _unit_stride(key_cache), _unit_stride(value_cache)
+        num_seqs, num_heads, head_size = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if num_seqs == 0:
+            return out
+        group = num_heads // num_kv_heads
+        head_pad = triton.next_power_of_2(head_size)
+        _, block_n, stages = _tiles(self.target, head_pad, key_cache.element_size())
+        if num_splits is None:
+            max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)  # of the longest sequence possible
+            num_splits = _decode_splits(num_seqs * num_kv_heads, max_tiles, _num_sms(query.device))
+        if num_splits > 1:
+            part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, device=query.device, dtype=torch.float32)
+            part_m = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
+            part_l = torch.empty_like(part_m)
+        else:
+            part_acc = part_m = part_l = out  # unused
+        _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            out, part_acc, part_m, part_l,
+            query, key_cache, value_cache, block_tables, seq_lens,
+            float(scale), float(soft_cap), int(sliding_window),
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            block_tables.stride(0), num_splits,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=block_n,
+            SPLIT=num_splits > 1,
+            PAGE_TILE=block_size % block_n == 0,
+            USE_SOFT_CAP=soft_cap > 0,
+            USE_WINDOW=sliding_window > 0,
+            DOT_PRECISION=_dot_precision(query.dtype),
+            DOT_FP32=_dot_fp32(query),
+            num_warps=min(self.target.attn_warps, 4),  # a [16, BLOCK_N] score tile: more warps only add sync
+            num_stages=stages,
+        )  # fmt: skip
+        if num_splits > 1:
+            _merge_splits_kernel[(num_seqs, num_heads)](
+                out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_splits,
+                HEAD_SIZE=head_size,
+                HEAD_PAD=head_pad,
+                SPLITS_PAD=triton.next_power_of_2(num_splits),
+                num_warps=4,
+            )  # fmt: skip
+        return out
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_query_len: int,
+        scale: float,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+    ) -> torch.Tensor:
+        """Causal varlen attention over the paged cache (see :func:`vllm_port.ops.attention.prefill_attention_reference`)."""
+        args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale)
+        check_prefill_attention(*args, sliding_window, soft_cap)
+        query, key_cache, value_cache = _unit_stride(query), _unit_stride(key_cache), _unit_stride(value_cache)
+        num_tokens, num_heads, head_size = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        num_seqs = seq_lens.shape[0]
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if num_tokens == 0 or num_seqs == 0:
+            return out
+        head_pad = triton.next_power_of_2(head_size)
+        block_m, block_n, stages = _tiles(self.target, head_pad, query.element_size())
+        grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+        _prefill_kernel[grid](
+            out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+            float(scale), float(soft_cap), int(sliding_window),
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=num_heads // num_kv_heads,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            PAGE_TILE=block_size % block_n == 0,
+            USE_SOFT_CAP=soft_cap > 0,
+            USE_WINDOW=sliding_window > 0,
+            DOT_PRECISION=_dot_precision(query.dtype),
+            DOT_FP32=_dot_fp32(query),
+            num_warps=self.target.attn_warps,
+            num_stages=stages,
+        )  # fmt: skip
+        return out

@@ -1,0 +1,123 @@
+"""Embedding lookup and the linear layer (matrix product with optional bias)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import OpInputError
+from ._checks import check_float, check_same
+from ._op import ErrorInput, Op, SampleInput, Tolerance
+
+
+def check_embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> None:
+    """Refuse arguments outside ``embedding``'s contract (ids are not range-checked: that would sync)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+        raise OpInputError("embedding: input_ids must be an int32/int64 tensor of token ids")
+    check_float("embedding", "weight", weight)
+    if weight.dim() != 2:
+        raise OpInputError(f"embedding: weight has shape {tuple(weight.shape)}; it must be [vocab_size, hidden_size]")
+    if input_ids.device != weight.device:
+        raise OpInputError(
+            f"embedding: input_ids is on {input_ids.device} but weight is on {weight.device}; move them to one device"
+        )
+
+
+def embedding_reference(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of ``weight`` for each id: ``[*input_ids.shape, hidden_size]``."""
+    check_embedding(input_ids, weight)
+    return weight[input_ids.long()]
+
+
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Refuse arguments outside ``linear``'s contract."""
+    check_float("linear", "x", x)
+    check_float("linear", "weight", weight)
+    check_same("linear", "weight", weight, "x", x)
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise OpInputError(
+            f"linear: x has shape {tuple(x.shape)} and weight {tuple(weight.shape)}; weight must be "
+            "[out_features, in_features] with in_features equal to x's last dimension"
+        )
+    if bias is not None:
+        check_float("linear", "bias", bias)
+        check_same("linear", "bias", bias, "x", x)
+        if bias.shape != (weight.shape[0],):
+            raise OpInputError(
+                f"linear: bias has shape {tuple(bias.shape)}; it must be [{weight.shape[0]}] (out_features)"
+            )
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, accumulated in float32 or better, rounded to ``x``'s dtype."""
+    check_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _embedding_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+    def case(label: str, tokens: int, vocab: int, hidden: int) -> SampleInput:
+        ids = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+        return SampleInput(label, (ids, torch.randn(vocab, hidden, generator=gen).to(device, dtype)))
+
+    return [
+        case("small", 9, 50, 32),
+        case("one token", 1, 1000, 64),
+        case("llama3-8b vocabulary, narrow rows", 16, 128256, 64),
+    ]
+
+
+def _linear_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+    def case(label: str, tokens: int, k: int, n: int, bias: bool) -> SampleInput:
+        x = torch.randn(tokens, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)  # keeps outputs near unit scale
+        b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+        return SampleInput(label, (x, w, b))
+
+    return [
+        case("small", 7, 64, 48, False),
+        case("small with bias", 7, 64, 48, True),
+        case("llama3-8b qkv decode", 4, 4096, 6144, False),
+    ]
+
+
+def _embedding_errors(device: torch.device) -> list[ErrorInput]:
+    w = torch.randn(10, 4, device=device)
+    return [
+        ErrorInput("float ids", (torch.zeros(3, device=device), w), "input_ids must be"),
+        ErrorInput("1-D weight", (torch.zeros(3, dtype=torch.long, device=device), w[0]), "vocab_size, hidden_size"),
+    ]
+
+
+def _linear_errors(device: torch.device) -> list[ErrorInput]:
+    x, w = torch.randn(2, 8, device=device), torch.randn(4, 8, device=device)
+    return [
+        ErrorInput("in_features mismatch", (x, torch.randn(4, 7, device=device), None), "in_features"),
+        ErrorInput("bias of wrong length", (x, w, torch.randn(5, device=device)), "bias has shape"),
+        ErrorInput("mixed dtypes", (x, w.half(), None), "cast them to one dtype"),
+    ]
+
+
+embedding = Op(
+    name="embedding",
+    reference=embedding_reference,
+    tolerances={
+        dtype: Tolerance(0.0, 0.0, "a lookup copies rows exactly")
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    },
+    samples=_embedding_samples,
+    errors=_embedding_errors,
+    fake=lambda input_ids, weight: weight.new_empty((*input_ids.shape, weight.shape[1])),
+)
+
+linear = Op(
+    name="linear",
+    reference=linear_reference,
+    tolerances={
+        torch.float32: Tolerance(1e-4, 1e-4, "float32 sums of 4096 products in another order (blocked, vectorised)"),
+        torch.bfloat16: Tolerance(2e-2, 2e-2, "bfloat16 output rounds to 8 significant bits; inputs are exact"),
+        torch.float16: Tolerance(2e-3, 2e-3, "float16 output rounds to 11 significant bits; inputs are exact"),
+    },
+    samples=_linear_samples,
+    errors=_linear_errors,
+    fake=lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])),
+)

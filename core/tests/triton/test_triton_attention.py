@@ -1,0 +1,217 @@
+"""The Triton paged-attention kernels (decode, prefill) against the op contract.
+
+Without a GPU they run in Triton's CPU interpreter (see conftest.py), which executes programs one
+by one: the 4096-token decode sample is left to GPU runs, and the Llama-sized samples run with the
+CUDA target's larger tiles (fewer interpreted steps). Every target's launch configuration is
+exercised on small shapes, and the code paths the op's samples do not reach (split-K decode,
+cache blocks larger or smaller than a key tile, head sizes that are not powers of two, windows
+spanning many tiles) get their own cases. Cache slots no sequence owns hold NaN throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from vllm_port.errors import OpInputError  # noqa: E402
+from vllm_port.kernels.triton.attention import AttentionKernels, _decode_splits  # noqa: E402
+from vllm_port.kernels.triton.target import CUDA, INTERPRETER, ROCM, XPU  # noqa: E402
+from vllm_port.ops import OpRegistry, Provider, paged_attention, prefill_attention  # noqa: E402
+from vllm_port.ops.attention import _paged_batch  # noqa: E402
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+if torch.cuda.is_available() and not INTERPRETED:
+    DEVICE = torch.device("cuda")
+    NATIVE = ROCM if torch.version.hip else CUDA
+else:
+    DEVICE, NATIVE = torch.device("cpu"), INTERPRETER
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPS = (paged_attention, prefill_attention)
+
+
+def kernels(target=NATIVE) -> AttentionKernels:
+    return AttentionKernels(target)
+
+
+def target_for(label: str):
+    """The interpreter runs Llama-sized samples with the CUDA target's tiles: 4-8x fewer steps."""
+    return CUDA if DEVICE.type == "cpu" and "llama" in label else NATIVE
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
+def test_samples_are_within_tolerance(op, dtype):
+    gen = torch.Generator().manual_seed(0)
+    for sample in op.samples(dtype, DEVICE, gen):
+        if DEVICE.type == "cpu" and (
+            sample.label == "longest context" or ("llama" in sample.label and dtype == torch.float16)
+        ):
+            continue  # too slow interpreted (the float16 path is bfloat16's): GPU runs cover them
+        fn = getattr(kernels(target_for(sample.label)), op.name)
+        assert op.check(fn, sample.args, dtype) is None, sample.label
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
+def test_error_inputs_raise(op):
+    fn = getattr(kernels(), op.name)
+    for case in op.errors(DEVICE):
+        with pytest.raises(OpInputError, match=case.match):
+            fn(*case.args)
+
+
+@pytest.mark.parametrize(
+    ("target", "dtype"),
+    [(CUDA, torch.bfloat16), (ROCM, torch.float16), (XPU, torch.float32)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
+def test_every_target_configuration_on_small_shapes(op, target, dtype):
+    gen = torch.Generator().manual_seed(1)
+    fn = getattr(kernels(target), op.name)
+    for sample in op.samples(dtype, DEVICE, gen)[:4]:  # block boundaries, prefix or gqa, window
+        assert op.check(fn, sample.args, dtype) is None, f"{target.name} {sample.label}"
+
+
+def test_providers_have_the_reference_signatures():
+    registry = OpRegistry(OPS)
+    k = kernels()
+    for name in AttentionKernels.OPS:
+        registry.register(Provider(name, f"triton_{name}", getattr(k, name)), plugin="test", platform="test")
+        assert inspect.signature(getattr(k, name), eval_str=True) == registry.ops[name].signature
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode: split-K
+# ------------------------------------------------------------------------------------------------
+
+
+def _decode_case(dtype, seq_lens, heads, kv_heads, head_size=64, block_size=16, window=0, cap=0.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kc, vc, tables, lens = _paged_batch(gen, DEVICE, dtype, seq_lens, kv_heads, head_size, block_size)
+    q = torch.randn(len(seq_lens), heads, head_size, generator=gen).to(DEVICE, dtype)
+    return (q, kc, vc, tables, lens, head_size**-0.5, window, cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_k_decode_merges_partials_exactly(dtype, splits):
+    k = kernels()
+    # lengths from one tile to many, one shorter than the number of splits (empty splits)
+    for window, cap in ((0, 0.0), (23, 0.0), (0, 20.0)):
+        args = _decode_case(dtype, [1, 3, 70, 129], 8, 2, window=window, cap=cap, seed=splits)
+        split_fn = lambda *a: k._decode(*a, num_splits=splits)  # noqa: E731
+        assert paged_attention.check(split_fn, args, dtype) is None, (window, cap)
+
+
+def test_empty_sequence_gives_zeros_like_the_reference():
+    k = kernels()
+    args = _decode_case(torch.float32, [0, 17], 4, 2)
+    for splits in (1, 3):
+        assert paged_attention.check(lambda *a, s=splits: k._decode(*a, num_splits=s), args, torch.float32) is None
+
+
+def test_split_rule_uses_host_shapes_only():
+    # the H200 benchmark: 64 x 8 programs for 132 SMs already fill the GPU
+    assert _decode_splits(64 * 8, 4096 // 64, 132) == 1
+    # one long sequence: split its keys, but keep >= 4 tiles per split
+    assert _decode_splits(8, 4096 // 64, 132) == 16
+    assert _decode_splits(8, 8, 132) == 2
+    assert _decode_splits(32, 2, 132) == 1
+    # the split count never exceeds its cap
+    assert _decode_splits(1, 1 << 20, 132) == 64
+
+
+def test_decode_chooses_a_split_for_few_long_sequences():
+    # the interpreter pretends 4 SMs: 1 sequence x 1 KV head of 300 tokens splits
+    args = _decode_case(torch.float32, [300], 4, 1)
+    assert _decode_splits(1, triton.cdiv(args[3].shape[1] * 16, INTERPRETER.attn_block_n), 4) > 1
+    assert paged_attention.check(kernels(INTERPRETER).paged_attention, args, torch.float32) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Cache block sizes against tile sizes, odd head sizes, long windows
+# ------------------------------------------------------------------------------------------------
+
+#: block 64 holds several 16-key tiles (one block-table load per tile); block 8 splits each tile
+#: across two blocks (a load per key); head 80 pads to 128; head 32 is the smallest dot.
+GEOMETRIES = [(64, 64), (8, 64), (16, 80), (32, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("block_size", "head_size"), GEOMETRIES)
+def test_decode_block_and_head_sizes(dtype, block_size, head_size):
+    args = _decode_case(dtype, [1, 16, 65, 100], 4, 2, head_size=head_size, block_size=block_size, window=40)
+    assert paged_attention.check(kernels().paged_attention, args, dtype) is None
+
+
+def _prefill_case(
+    dtype, q_lens, prefixes, heads, kv_heads, head_size=64, block_size=16, window=0, cap=0.0, extra_len=0
+):
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [p + q for p, q in zip(prefixes, q_lens, strict=True)]
+    kc, vc, tables, lens = _paged_batch(gen, DEVICE, dtype, seq_lens, kv_heads, head_size, block_size)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(q_lens), heads, head_size, generator=gen).to(DEVICE, dtype)
+    return (q, kc, vc, tables, cu, lens, max(q_lens) + extra_len, head_size**-0.5, window, cap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("block_size", "head_size"), GEOMETRIES)
+def test_prefill_block_and_head_sizes(dtype, block_size, head_size):
+    args = _prefill_case(dtype, [37, 5], [11, 40], 4, 2, head_size=head_size, block_size=block_size)
+    assert prefill_attention.check(kernels().prefill_attention, args, dtype) is None
+
+
+@pytest.mark.parametrize("window", [1, 7, 20, 33])
+def test_prefill_window_spanning_many_tiles(window):
+    # 50 queries after a 45-token prefix: tiles before the window edge, whole tiles, diagonal tiles
+    args = _prefill_case(torch.float32, [50, 3], [45, 0], 2, 1, window=window, cap=15.0)
+    assert prefill_attention.check(kernels().prefill_attention, args, torch.float32) is None
+
+
+def test_prefill_grid_larger_than_the_longest_query_and_strided_query():
+    args = list(_prefill_case(torch.bfloat16, [20, 1], [3, 30], 4, 2, extra_len=40))
+    qkv = torch.cat([args[0], torch.zeros_like(args[0])], dim=1)  # query as a slice of a fused QKV tensor
+    args[0] = qkv[:, :4]
+    assert not args[0].is_contiguous()
+    assert prefill_attention.check(kernels().prefill_attention, tuple(args), torch.bfloat16) is None
+
+
+def test_wide_tiles_on_the_interpreter():
+    # block_m 32 / block_n 32 against 16-token cache blocks: the vector block-table path in prefill
+    k = kernels(dataclasses.replace(INTERPRETER, attn_block_m=32, attn_block_n=32))
+    args = _prefill_case(torch.float16, [33, 64], [0, 17], 4, 4)
+    assert prefill_attention.check(k.prefill_attention, args, torch.float16) is None
+    dargs = _decode_case(torch.float16, [31, 64, 90], 4, 4)
+    assert paged_attention.check(k.paged_attention, dargs, torch.float16) is None
+
+
+def test_launchers_read_no_tensor_values_on_the_host(monkeypatch):
+    decode = _decode_case(torch.bfloat16, [5, 300], 4, 1, window=100)  # few programs: the split path
+    prefill = _prefill_case(torch.bfloat16, [20, 3], [0, 30], 4, 2)
+
+    def refuse(self, *args):
+        raise AssertionError("the launcher synchronised with the device")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    k = kernels()
+    got_decode, got_prefill = k.paged_attention(*decode), k.prefill_attention(*prefill)
+    monkeypatch.undo()
+    assert paged_attention.check(lambda *a: got_decode, decode, torch.bfloat16) is None
+    assert prefill_attention.check(lambda *a: got_prefill, prefill, torch.bfloat16) is None
+
+
+def test_int64_block_tables_and_lengths():
+    decode = list(_decode_case(torch.float16, [9, 40], 4, 2, window=20))
+    decode[3], decode[4] = decode[3].long(), decode[4].long()
+    assert paged_attention.check(kernels().paged_attention, tuple(decode), torch.float16) is None
+    prefill = list(_prefill_case(torch.float16, [17, 4], [3, 20], 4, 2, window=9))
+    prefill[3], prefill[4], prefill[5] = prefill[3].long(), prefill[4].long(), prefill[5].long()
+    assert prefill_attention.check(kernels().prefill_attention, tuple(prefill), torch.float16) is None

@@ -1,0 +1,192 @@
+"""CPU providers of the paged KV-cache ops: cache writes, decode attention and prefill attention.
+
+All sequences of a batch are handled at once: their K/V are gathered from the paged cache with one
+index op through ``block_tables``, padded to the longest sequence, and attention runs batched over
+sequences with an additive mask (``scaled_dot_product_attention``'s CPU flash kernel; explicit
+matmuls when a soft cap is asked for, which that kernel lacks). Scores, softmax and the PV product
+are computed in float32 for bfloat16/float16.
+
+Cache slots past a sequence's end may hold anything, NaN included, and a masked NaN still poisons
+a matmul. So the gather never reads them: a padding position reads the sequence's own first token
+instead (finite data it owns), and the mask gives it probability exactly 0. That costs nothing
+extra, where zeroing the gathered K/V would be one more pass over both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_port.ops import provider
+from vllm_port.ops.attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
+
+__all__ = ["paged_attention", "prefill_attention", "reshape_and_cache"]
+
+
+@provider("reshape_and_cache", name="cpu_reshape_and_cache", priority=10)
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    tokens = key.shape[0]
+    if tokens == 0:
+        return
+    # Slot -1 skips a token without a data-dependent shape (no boolean indexing, no host read): a
+    # skipped token repeats the write of the first kept token, same slot and same value, so the
+    # duplicate write is harmless whatever its order. When no token is kept at all, every write lands
+    # in slot 0, which is then restored from a copy of its one row.
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    first_kept = keep.to(torch.uint8).argmax()  # 0-dim tensor, stays on the device
+    src = torch.where(keep, torch.arange(tokens, device=slots.device), first_kept)
+    slots = slots.index_select(0, src).clamp_(min=0)
+    index = (slots // key_cache.shape[1], slots % key_cache.shape[1])  # (block, offset): any cache strides
+    any_kept = keep.any()
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        slot0 = cache[0, 0]
+        saved = slot0.clone()
+        cache.index_put_(index, new.index_select(0, src))
+        slot0.copy_(torch.where(any_kept, slot0, saved))
+
+
+def _context_blocks(seq_lens: torch.Tensor, block_size: int, table_width: int) -> int:
+    # The one host read of these ops: the longest context sizes the gather. Engines pad block tables
+    # far past it (to the model's maximum length), so gathering whole rows would cost much more.
+    return min(table_width, max(1, -(-int(seq_lens.max()) // block_size)))
+
+
+def _gather_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    blocks: int,
+    compute: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``0 .. blocks * block_size - 1`` of every sequence's K and V: ``[num_seqs, kv_heads, len, head_size]``.
+
+    Positions at or past ``lens`` read position 0 instead, so only slots the sequence owns are read.
+    """
+    block_size = key_cache.shape[1]
+    pos = torch.arange(blocks * block_size, device=lens.device)[None, :]
+    pos = torch.where(pos < lens[:, None], pos, 0)  # [num_seqs, len]
+    index = (block_tables.long().gather(1, pos // block_size), pos % block_size)  # (block, offset) per position
+    # one index op per cache for all sequences, then widened; K^T and V as views for the matmuls
+    k, v = (cache[index].to(compute).transpose(1, 2) for cache in (key_cache, value_cache))
+    return k, v
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _soft_capped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, soft_cap: float
+) -> torch.Tensor:
+    """``softmax(cap * tanh(q k^T * scale / cap), masked) v`` with explicit matmuls; q, k, v share leading dims."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    scores = scores.div_(soft_cap).tanh_().mul_(soft_cap)
+    scores.masked_fill_(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@provider("paged_attention", name="cpu_paged_attention", priority=10)
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+) -> torch.Tensor:
+    check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+    num_seqs, num_heads, head_size = query.shape
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    _, block_size, kv_heads, _ = key_cache.shape
+    compute = torch.promote_types(query.dtype, torch.float32)
+    lens = seq_lens.long()
+    blocks = _context_blocks(lens, block_size, block_tables.shape[1])
+    k_pos = torch.arange(blocks * block_size, device=query.device)[None, :]
+    allowed = k_pos < lens[:, None]  # the query is the last token: it sees its whole context
+    if sliding_window > 0:
+        allowed &= k_pos > lens[:, None] - 1 - sliding_window
+    k, v = _gather_kv(key_cache, value_cache, block_tables, lens, blocks, compute)
+    # GQA without repeating K/V: a KV head's `group` query heads are one [group, head_size] query block
+    q = query.to(compute).unflatten(1, (kv_heads, num_heads // kv_heads))  # [num_seqs, kv_heads, group, head_size]
+    allowed = allowed[:, None, None, :]  # broadcast over KV heads and the group
+    if soft_cap > 0:
+        out = _soft_capped(q, k, v, allowed, float(scale), float(soft_cap))
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=_additive(allowed, compute), scale=float(scale))
+    # an empty sequence (seq_lens 0) sees no key: 0, as the reference gives, whatever its slots hold
+    out.masked_fill_((lens == 0)[:, None, None, None], 0.0)
+    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+
+
+@provider("prefill_attention", name="cpu_prefill_attention", priority=10)
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+) -> torch.Tensor:
+    check_prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        max_query_len,
+        scale,
+        sliding_window,
+        soft_cap,
+    )
+    tokens, num_heads, head_size = query.shape
+    num_seqs = seq_lens.shape[0]
+    if tokens == 0 or num_seqs == 0:
+        return torch.empty_like(query)
+    _, block_size, kv_heads, _ = key_cache.shape
+    device = query.device
+    compute = torch.promote_types(query.dtype, torch.float32)
+    lens, starts = seq_lens.long(), cu_seqlens_q.long()
+    q_lens = starts[1:] - starts[:-1]
+    # every packed token's sequence and its index among that sequence's queries
+    seq_id = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=tokens)
+    row = torch.arange(tokens, device=device) - starts[seq_id]
+    # queries padded to [num_seqs, max_query_len]; query j of sequence i sits at lens[i] - q_lens[i] + j.
+    # Padding rows are placed at the last position, so they always see a key; their output is dropped.
+    q = query.new_zeros((num_seqs, max_query_len, num_heads, head_size), dtype=compute)
+    q[seq_id, row] = query.to(compute)
+    j = torch.arange(max_query_len, device=device)[None, :]
+    q_pos = torch.minimum(lens[:, None] - q_lens[:, None] + j, lens[:, None] - 1)  # [num_seqs, max_query_len]
+    blocks = _context_blocks(lens, block_size, block_tables.shape[1])
+    k_pos = torch.arange(blocks * block_size, device=device)
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; only positions < lens, since q_pos < lens
+    if sliding_window > 0:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    k, v = _gather_kv(key_cache, value_cache, block_tables, lens, blocks, compute)
+    q = q.transpose(1, 2)  # [num_seqs, num_heads, max_query_len, head_size]
+    allowed = allowed[:, None]  # [num_seqs, 1, max_query_len, context], broadcast over heads
+    if soft_cap > 0:
+        group = num_heads // kv_heads
+        qg = q.unflatten(1, (kv_heads, group))  # [num_seqs, kv_heads, group, max_query_len, head_size]
+        out = _soft_capped(qg, k[:, :, None], v[:, :, None], allowed[:, :, None], float(scale), float(soft_cap))
+        out = out.flatten(1, 2)
+    else:
+        mask = _additive(allowed, compute)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=float(scale), enable_gqa=True)
+    return out.transpose(1, 2)[seq_id, row].to(query.dtype)

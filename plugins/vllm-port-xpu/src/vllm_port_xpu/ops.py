@@ -1,0 +1,16 @@
+"""XPU providers: the shared Triton kernels, launched with the XPU target's configuration."""
+
+from __future__ import annotations
+
+from vllm_port.ops import Provider
+
+#: Above the reference; a vendor library's kernels (issue 7) may register higher.
+TRITON_PRIORITY = 20
+
+
+def providers() -> list[Provider]:
+    """Every Triton provider with the XPU target (imports triton)."""
+    from vllm_port.kernels.triton import XPU
+    from vllm_port.kernels.triton import providers as triton_providers
+
+    return triton_providers(XPU, TRITON_PRIORITY)
