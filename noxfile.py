@@ -58,6 +58,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The CPU dispatch benchmark; writes docs/results/dispatch-cpu.json."""
+    """The CPU dispatch and block-pool benchmarks; write docs/results/dispatch-cpu.json and pool-cpu.json."""
     _install(session)
     session.run("vllm-port", "bench", "dispatch", "--json", "docs/results/dispatch-cpu.json")
+    session.run("vllm-port", "bench", "pool", "--json", "docs/results/pool-cpu.json")

@@ -31,6 +31,18 @@ def _bench_ops(args: argparse.Namespace) -> int:
     return ops.main(args.device, args.dtype, args.ops, args.max_tokens, args.json, args.plot)
 
 
+def _bench_comm(args: argparse.Namespace) -> int:
+    from .bench import comm
+
+    return comm.main(json_path=args.json, device=args.device, max_bytes=args.max_bytes)
+
+
+def _bench_pool(args: argparse.Namespace) -> int:
+    from .bench import pool
+
+    return pool.main(json_path=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-port", description="The portable hardware layer for LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--json", default=None, help="write the results to this JSON file")
     ops.add_argument("--plot", default=None, help="draw fraction-of-ceiling vs tokens to this PNG file")
     ops.set_defaults(run=_bench_ops)
+    pool = bench_kinds.add_parser("pool", help="KV block pool ops per second and usable KV capacity")
+    pool.add_argument("--json", default=None, help="also write the results to this JSON file")
+    pool.set_defaults(run=_bench_pool)
+    comm = bench_kinds.add_parser(
+        "comm", help="all_reduce bus bandwidth through the comm contract against torch.distributed, 2 ranks"
+    )
+    comm.add_argument("--json", default=None, help="also write the results to this JSON file")
+    comm.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
+    comm.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message in bytes (default 64 MB)")
+    comm.set_defaults(run=_bench_comm)
     return parser
 
 

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 __all__ = [
     "ApiVersionError",
+    "CommCapabilityError",
+    "CommError",
+    "CommInitError",
+    "CommInputError",
+    "CommShapeMismatchError",
+    "CommTimeoutError",
+    "MemoryContractError",
     "OpInputError",
     "PluginError",
     "ProviderRejectedError",
@@ -34,3 +41,31 @@ class ProviderRejectedError(VllmPortError):
 
 class OpInputError(VllmPortError, ValueError):
     """An op was called with arguments outside its contract (dtype, device, shape)."""
+
+
+class CommError(VllmPortError):
+    """A comm call failed; the message names the rank and the call (and the peer, for point-to-point)."""
+
+
+class CommInputError(CommError, ValueError):
+    """A comm call was given input outside the contract (not a tensor, unsupported dtype, bad rank, bad dim)."""
+
+
+class CommShapeMismatchError(CommInputError):
+    """Ranks passed tensors whose shapes or dtypes the call cannot combine; the message lists every rank's."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A peer did not join a call within the process group's timeout, or died during it."""
+
+
+class CommCapabilityError(CommError, NotImplementedError):
+    """A call that the serving comm part does not claim in its ``capabilities``."""
+
+
+class CommInitError(CommError):
+    """The process group cannot be set up (incomplete torchrun environment, more ranks than devices)."""
+
+
+class MemoryContractError(VllmPortError):
+    """A memory call broke the contract: bad size, double free, a buffer or block this owner did not make."""

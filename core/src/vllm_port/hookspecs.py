@@ -137,8 +137,9 @@ def vllm_port_block_pool(platform: PlatformDescription) -> BlockPoolFactory | No
     """Provide the paged KV-cache block pool for ``platform``.
 
     :param platform: the selected platform.
-    :return: a factory that builds the pool from a memory budget and the KV layout, or ``None``
-        to leave core's device-free pool in place.
+    :return: a factory ``factory(budget_bytes, block_bytes, block_size) -> pool`` that builds the
+        pool (the interface of :class:`vllm_port.kv_pool.BlockPool`) from a memory budget and the
+        KV layout, or ``None`` to leave core's device-free pool in place.
 
     Calling rule: first non-``None`` result wins; core's default is registered last.
     """

@@ -14,13 +14,22 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import VllmPortError
+from .errors import MemoryContractError
+from .kv_pool import BlockPool, blocks_for_budget, kv_block_bytes
 
-__all__ = ["Allocator", "BlockPoolFactory", "MemoryContractError", "MemoryStats", "Migrator", "OutOfMemoryError"]
-
-
-class MemoryContractError(VllmPortError):
-    """A memory call broke the contract: bad size, double free, a buffer this allocator did not make."""
+__all__ = [
+    "Allocator",
+    "BlockPoolFactory",
+    "KVCache",
+    "KVLayout",
+    "MemoryContractError",
+    "MemoryStats",
+    "MigrationHandle",
+    "Migrator",
+    "OutOfMemoryError",
+    "TorchMigrator",
+    "default_block_pool_factory",
+]
 
 
 class OutOfMemoryError(MemoryContractError):
@@ -125,5 +134,257 @@ class Migrator(Protocol):
         ...
 
 
-#: Builds a block pool from a byte budget and the bytes one block takes.
-BlockPoolFactory = Callable[[int, int], Any]
+#: Builds a block pool from a byte budget, the bytes one block takes and the tokens per block:
+#: ``factory(budget_bytes, block_bytes, block_size)``.
+BlockPoolFactory = Callable[[int, int, int], Any]
+
+
+def default_block_pool_factory(budget_bytes: int, block_bytes: int, block_size: int) -> BlockPool:
+    """Core's device-free pool: as many blocks of ``block_bytes`` as fit in ``budget_bytes``."""
+    num_blocks = blocks_for_budget(budget_bytes, block_bytes)
+    if num_blocks == 0:
+        raise MemoryContractError(
+            f"a KV-cache budget of {budget_bytes:,} bytes holds no block of {block_bytes:,} bytes; raise the budget"
+        )
+    return BlockPool(num_blocks, block_size)
+
+
+# -------------------------------------------------------------------------------------------------
+# The KV cache: per-layer key/value tensors in one allocator buffer, and the pool of their blocks
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The paged cache's shape: per layer, keys and values of ``[num_blocks, block_size, num_kv_heads, head_size]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes over all layers, keys and values."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_size, self.block_size, itemsize)
+
+
+class KVCache:
+    """Per-layer key and value caches carved from one buffer of ``allocator``, and their block pool.
+
+    :param budget: a float in ``(0, 1]`` is that fraction of the device's free memory
+        (``allocator.mem_info()``); an int is bytes. Whole blocks fill it (every block but a
+        partial last one, so at least 95% of any budget of 20 blocks or more).
+    :param pool_factory: builds the pool (``Runtime.block_pool_factory()``); core's default when ``None``.
+    :raises MemoryContractError: for a budget larger than the device or holding no block.
+    :raises OutOfMemoryError: when the device's free memory cannot hold the budget's blocks.
+    """
+
+    def __init__(
+        self,
+        allocator: Allocator,
+        layout: KVLayout,
+        budget: float | int,
+        pool_factory: BlockPoolFactory | None = None,
+    ) -> None:
+        free, total = allocator.mem_info()
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise MemoryContractError(
+                f"KV-cache budget must be a fraction in (0, 1] or an int of bytes, got {budget!r}"
+            )
+        if isinstance(budget, float):
+            if not 0.0 < budget <= 1.0:
+                raise MemoryContractError(f"KV-cache budget fraction must be in (0, 1], got {budget!r}")
+            budget_bytes = int(free * budget)
+        else:
+            budget_bytes = budget
+        if budget_bytes <= 0:
+            raise MemoryContractError(f"KV-cache budget must be positive, got {budget_bytes:,} bytes")
+        if budget_bytes > total:
+            raise MemoryContractError(
+                f"{allocator.name}: a KV-cache budget of {budget_bytes:,} bytes is larger than the device's "
+                f"{total:,} bytes; lower the budget"
+            )
+        block_bytes = layout.block_bytes
+        self.pool = (pool_factory or default_block_pool_factory)(budget_bytes, block_bytes, layout.block_size)
+        self.allocator = allocator
+        self.layout = layout
+        self.budget_bytes = budget_bytes
+        self.num_blocks: int = self.pool.num_blocks
+        self.buffer = allocator.allocate(self.num_blocks * block_bytes)
+        shape = (2, layout.num_layers, self.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
+        caches = self.buffer.view(layout.dtype).view(shape)
+        self.key_caches: list[torch.Tensor] = list(caches[0].unbind(0))
+        self.value_caches: list[torch.Tensor] = list(caches[1].unbind(0))
+
+    @property
+    def capacity_fraction(self) -> float:
+        """The fraction of the budget that became blocks."""
+        return self.num_blocks * self.layout.block_bytes / self.budget_bytes
+
+    def close(self) -> None:
+        """Give the buffer back to the allocator; the caches must not be used after."""
+        if self.buffer is not None:
+            self.key_caches, self.value_caches = [], []
+            buffer, self.buffer = self.buffer, None
+            self.allocator.free(buffer)
+
+
+# -------------------------------------------------------------------------------------------------
+# Migration between tiers
+# -------------------------------------------------------------------------------------------------
+
+
+#: A block of one cache: ((device, address of the cache's first element), block id).
+_BlockKey = tuple[tuple[str, int], int]
+
+
+class MigrationHandle:
+    """One ``copy_blocks`` in flight: ``done()`` polls, ``wait()`` blocks until the copy is complete.
+
+    Until the handle reports completion its blocks stay in flight: the migrator refuses new copies
+    that write them or into them, and pools passed to ``copy_blocks`` refuse to free them.
+    """
+
+    def __init__(
+        self,
+        migrator: TorchMigrator,
+        reads: list[_BlockKey],
+        writes: list[_BlockKey],
+        holds: list[tuple[Any, list[int]]],
+        event: Any,
+    ) -> None:
+        self._migrator = migrator
+        self._reads, self._writes = reads, writes
+        self._holds = holds
+        self._event = event
+        self._finished = False
+
+    def done(self) -> bool:
+        """Whether the copy is complete (and, if so, its blocks are released)."""
+        if not self._finished and (self._event is None or self._event.query()):
+            self._finish()
+        return self._finished
+
+    def wait(self) -> None:
+        """Block until the copy is complete, then release its blocks."""
+        if not self._finished:
+            if self._event is not None:
+                self._event.synchronize()
+            self._finish()
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._migrator._release(self._reads, self._writes)
+        for pool, blocks in self._holds:
+            pool.release(blocks)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+
+
+class TorchMigrator:
+    """Core's default migrator: indexed block copies with plain torch, on a side stream where the
+    platform has streams (``torch.Stream``/``torch.Event``), synchronously on CPU."""
+
+    def __init__(self) -> None:
+        self._reading: dict[_BlockKey, int] = {}  # (cache address, block) -> copies reading it
+        self._writing: set[_BlockKey] = set()  # (cache address, block) being written
+        self._streams: dict[torch.device, Any] = {}
+
+    def in_flight(self, cache: torch.Tensor, block: int) -> bool:
+        """Whether ``block`` of ``cache`` belongs to a copy whose handle has not reported completion."""
+        key = (_storage_key(cache), block)
+        return key in self._writing or key in self._reading
+
+    def copy_blocks(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        pairs: torch.Tensor | list[tuple[int, int]],
+        *,
+        src_pool: Any = None,
+        dst_pool: Any = None,
+    ) -> MigrationHandle:
+        """Copy block ``pairs[i][0]`` of ``src`` into block ``pairs[i][1]`` of ``dst`` for every ``i``.
+
+        :param src_pool, dst_pool: block pools whose blocks these are; they refuse to free them
+            until the handle reports completion.
+        :raises MemoryContractError: for mismatched caches, block ids out of range, a destination
+            named twice, or a block already in flight (written by, or being read while written by,
+            another copy).
+        """
+        if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
+            raise MemoryContractError(
+                f"copy_blocks: caches differ: src {tuple(src.shape)} {src.dtype}, dst {tuple(dst.shape)} {dst.dtype}"
+            )
+        try:
+            pair_list = [(int(a), int(b)) for a, b in (pairs.tolist() if isinstance(pairs, torch.Tensor) else pairs)]
+        except (TypeError, ValueError) as exc:
+            raise MemoryContractError(f"copy_blocks: pairs must be (src block, dst block) pairs: {exc}") from exc
+        src_ids = [a for a, _ in pair_list]
+        dst_ids = [b for _, b in pair_list]
+        for name, ids, n in (("src", src_ids, src.shape[0]), ("dst", dst_ids, dst.shape[0])):
+            bad = [i for i in ids if not 0 <= i < n]
+            if bad:
+                raise MemoryContractError(f"copy_blocks: {name} block(s) {bad} out of range for {n} blocks")
+        if len(set(dst_ids)) != len(dst_ids):
+            raise MemoryContractError(f"copy_blocks: a destination block is named twice in {dst_ids}")
+        skey, dkey = _storage_key(src), _storage_key(dst)
+        busy = [("src", b) for b in src_ids if (skey, b) in self._writing]
+        busy += [("dst", b) for b in dst_ids if (dkey, b) in self._writing or (dkey, b) in self._reading]
+        if busy:
+            raise MemoryContractError(
+                f"copy_blocks: block(s) {busy} are in flight in an earlier copy; wait() on its handle first"
+            )
+        holds = [(p, ids) for p, ids in ((src_pool, src_ids), (dst_pool, dst_ids)) if p is not None and ids]
+        for i, (pool, ids) in enumerate(holds):  # a pool refusing (e.g. a free block) undoes earlier holds
+            try:
+                pool.hold(ids)
+            except Exception:
+                for p, held in holds[:i]:
+                    p.release(held)
+                raise
+        reads, writes = [(skey, b) for b in src_ids], [(dkey, b) for b in dst_ids]
+        for key in reads:
+            self._reading[key] = self._reading.get(key, 0) + 1
+        self._writing.update(writes)
+        event = self._launch(src, dst, src_ids, dst_ids) if pair_list else None
+        return MigrationHandle(self, reads, writes, holds, event)
+
+    def _launch(self, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> Any:
+        device = dst.device if dst.device.type != "cpu" else src.device
+        if device.type == "cpu":
+            dst.index_copy_(0, torch.tensor(dst_ids), src.index_select(0, torch.tensor(src_ids)))
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.Stream(device=device)
+        ready = torch.Event(device=device)
+        ready.record(torch.accelerator.current_stream(device))
+        stream.wait_event(ready)  # the copy sees every write queued before it
+        previous = torch.accelerator.current_stream(device)
+        torch.accelerator.set_stream(stream)
+        try:
+            if src.device == dst.device:  # index tensors made on the side stream, freed in its order
+                src_idx = torch.tensor(src_ids).to(device, non_blocking=True)
+                dst_idx = torch.tensor(dst_ids).to(device, non_blocking=True)
+                dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+            else:  # across tiers: one async copy per block, straight from/into pinned host memory
+                for a, b in zip(src_ids, dst_ids, strict=True):
+                    dst[b].copy_(src[a], non_blocking=True)
+            done = torch.Event(device=device)
+            done.record(stream)
+        finally:
+            torch.accelerator.set_stream(previous)
+        return done
+
+    def _release(self, reads: list[_BlockKey], writes: list[_BlockKey]) -> None:
+        for key in reads:
+            self._reading[key] -= 1
+            if self._reading[key] == 0:
+                del self._reading[key]
+        self._writing.difference_update(writes)

@@ -15,7 +15,7 @@ from .comm import Collectives, Communicator, PointToPoint
 from .discovery import Discovery, PluginRecord, discover, first_result
 from .errors import PluginError, SelectionError
 from .graph import GraphCapture
-from .memory import Allocator
+from .memory import Allocator, BlockPoolFactory, KVCache, KVLayout, Migrator
 from .ops import BindContext, BoundOps, OpRegistry
 from .platform import PlatformDescription
 
@@ -121,6 +121,30 @@ class Runtime:
                 f"Allocator (got {allocator!r}{' from ' + plugin if plugin else ''})"
             )
         return allocator
+
+    def block_pool_factory(self) -> BlockPoolFactory:
+        """The selected platform's KV-cache block pool factory (core's device-free pool by default)."""
+        plugin, factory = first_result(self.discovery.manager, "vllm_port_block_pool", platform=self.platform)
+        if not callable(factory):
+            raise PluginError(
+                f"platform {self.platform.name!r} has no block pool: vllm_port_block_pool answered {factory!r}"
+                f"{' from ' + plugin if plugin else ''}, not a factory"
+            )
+        return factory
+
+    def migrator(self) -> Migrator:
+        """The selected platform's migrator between memory tiers (core's ``TorchMigrator`` by default)."""
+        plugin, migrator = first_result(self.discovery.manager, "vllm_port_migrator", platform=self.platform)
+        if not callable(getattr(migrator, "copy_blocks", None)):
+            raise PluginError(
+                f"platform {self.platform.name!r} has no migrator: vllm_port_migrator answered {migrator!r}"
+                f"{' from ' + plugin if plugin else ''}, which has no copy_blocks"
+            )
+        return migrator
+
+    def kv_cache(self, layout: KVLayout, budget: float | int) -> KVCache:
+        """The paged KV cache of ``layout`` in ``budget`` (a fraction of free memory, or bytes) on this platform."""
+        return KVCache(self.allocator(), layout, budget, self.block_pool_factory())
 
     def graph_capture(self) -> GraphCapture | None:
         """The platform's graph capture, or ``None`` when it has none (a runner then runs eagerly)."""

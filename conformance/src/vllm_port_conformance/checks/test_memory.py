@@ -1,10 +1,14 @@
-"""Memory contract (first part): the platform's allocator keeps honest accounts."""
+"""Memory contract: the allocator keeps honest accounts, the block pool its invariants, migration its bits."""
 
 from __future__ import annotations
 
-import pytest
+import unittest
 
-from vllm_port.memory import MemoryContractError
+import pytest
+import torch
+
+from vllm_port.memory import KVCache, KVLayout, MemoryContractError, OutOfMemoryError
+from vllm_port_conformance.pool_machine import pool_machine
 
 
 def test_allocation_accounting_returns_to_baseline(plugin):
@@ -29,3 +33,97 @@ def test_double_free_is_refused(plugin):
 def test_memory_info_is_sane(plugin):
     free, total = plugin.runtime().allocator().mem_info()
     assert 0 < free <= total
+
+
+# -------------------------------------------------------------------------------------------------
+# The memory contract (second part): out-of-memory, the block pool, migration between tiers
+# -------------------------------------------------------------------------------------------------
+
+
+def test_out_of_memory_raises_naming_the_sizes(plugin):
+    alloc = plugin.runtime().allocator()
+    before = alloc.stats()
+    free, _ = alloc.mem_info()
+    asked = free + (1 << 30)  # more than the device says is free: refused before touching memory
+    with pytest.raises(OutOfMemoryError) as info:
+        alloc.allocate(asked)
+    assert f"{asked:,}" in str(info.value) and info.value.requested == asked and info.value.free > 0
+    assert alloc.stats() == before
+
+
+def test_stats_stay_consistent_through_errors(plugin):
+    alloc = plugin.runtime().allocator()
+    before = alloc.stats()
+    a, b = alloc.allocate(4096), alloc.allocate(8192)
+    mid = alloc.stats()
+    assert mid.allocated == before.allocated + 12288 and mid.live_buffers == before.live_buffers + 2
+    assert mid.peak >= mid.allocated
+    for bad in (0, -1):
+        with pytest.raises(MemoryContractError):
+            alloc.allocate(bad)
+    alloc.free(a)
+    with pytest.raises(MemoryContractError):
+        alloc.free(a)
+    alloc.free(b)
+    after = alloc.stats()
+    assert after.allocated == before.allocated and after.live_buffers == before.live_buffers
+    assert after.peak >= mid.allocated
+
+
+def test_block_pool_factory_sizes_the_pool_from_the_budget(plugin):
+    factory = plugin.runtime().block_pool_factory()
+    pool = factory(100 * 4096 + 17, 4096, 16)
+    assert pool.num_blocks == 100 and pool.num_free == 100 and pool.block_size == 16
+
+
+class TestBlockPoolInvariants:
+    """The same derandomized state machine as core's tests, on the platform's block pool."""
+
+    def test_state_machine(self, plugin):
+        factory = plugin.runtime().block_pool_factory()
+        case = pool_machine(lambda n, bs: factory(n * 64, 64, bs), max_examples=30, steps=30)
+        result = unittest.TestResult()
+        case("runTest").run(result)
+        problems = result.failures + result.errors
+        assert not problems, problems[0][1]
+
+
+def _tier_tensor(plugin, tier: str, like: torch.Tensor) -> torch.Tensor:
+    if tier == "device":
+        return torch.zeros_like(like, device=plugin.device)
+    if tier == "pinned_host":
+        return torch.zeros(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+    if tier == "host":
+        return torch.zeros(like.shape, dtype=like.dtype, device="cpu")
+    pytest.fail(f"memory tier {tier!r} is not one the conformance suite knows (device, pinned_host, host)")
+
+
+def test_migration_round_trip_is_bit_exact_between_tiers(plugin):
+    runtime = plugin.runtime()
+    migrator = runtime.migrator()
+    alloc = runtime.allocator()
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16)
+    kv = KVCache(alloc, layout, 16 * layout.block_bytes)
+    try:
+        cache = kv.key_caches[0]
+        bits = torch.randint(
+            -(2**15), 2**15, cache.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(0)
+        )
+        cache.view(torch.int16).copy_(bits.to(cache.device))  # every bit pattern, NaN payloads included
+        original = cache.view(torch.int16).cpu().clone()
+        blocks = kv.pool.allocate(4)
+        for tier in runtime.platform.memory_tiers:
+            other = _tier_tensor(plugin, tier, cache[:8])
+            out = migrator.copy_blocks(cache, other, torch.tensor([[b, i] for i, b in enumerate(blocks)]))
+            out.wait()
+            for b in blocks:
+                cache[b].zero_()
+            back = migrator.copy_blocks(other, cache, torch.tensor([[i, b] for i, b in enumerate(blocks)]))
+            back.wait()
+            assert back.done()
+            got = cache.view(torch.int16).cpu()
+            for b in blocks:
+                assert torch.equal(got[b], original[b]), f"block {b} changed in a round trip through tier {tier!r}"
+        kv.pool.free(blocks)
+    finally:
+        kv.close()
