@@ -34,18 +34,9 @@ def tests(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("plugin", PLUGINS, ids=PLUGINS)
 def conformance(session: nox.Session, plugin: str) -> None:
-    """The conformance suite against one installed plugin: ``nox -s conformance-cpu``."""
+    """Certify one installed plugin: ``nox -s conformance-cpu`` writes ``reports/cpu/report.{json,md}``."""
     _install(session)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "--pyargs",
-        "vllm_port_conformance.checks",
-        "--vllm-port-plugin",
-        plugin,
-        *session.posargs,
-    )
+    session.run("vllm-port", "certify", plugin, "--report", f"reports/{plugin}", *session.posargs)
 
 
 @nox.session

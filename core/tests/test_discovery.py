@@ -1,7 +1,7 @@
 """Discovery and selection against real installed plugins, healthy and broken in every way we know."""
 
 import pytest
-from conftest import healthy
+from plugin_factory import healthy
 
 import vllm_port
 from vllm_port.discovery import discover, parse_plugin_filter

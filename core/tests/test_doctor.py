@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import healthy
+from plugin_factory import healthy
 
 
 def doctor(*args, env=None):

@@ -43,6 +43,22 @@ def _bench_pool(args: argparse.Namespace) -> int:
     return pool.main(json_path=args.json)
 
 
+def _certify(args: argparse.Namespace) -> int:
+    try:
+        from vllm_port_conformance import certify
+    except ImportError as exc:
+        print(
+            f"error: vllm-port certify needs the conformance suite ({exc}); "
+            "install it: pip install vllm-port-conformance (in a checkout: pip install -e ./conformance)",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.plugin is None) == (args.verify is None):
+        print("error: give either a PLUGIN to certify or --verify REPORT.json", file=sys.stderr)
+        return 2
+    return certify.main(args.plugin, args.report, args.json, args.waivers, args.verify)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-port", description="The portable hardware layer for LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="platform to select, e.g. 'cpu' (default: $VLLM_PORT_DEVICE, else the best available)",
     )
     doctor.set_defaults(run=_doctor)
+
+    certify = commands.add_parser(
+        "certify", help="run the conformance suite on a plugin and write a verifiable certification report"
+    )
+    certify.add_argument("plugin", nargs="?", default=None, help="installed plugin to certify, e.g. cpu")
+    certify.add_argument("--report", default=None, metavar="DIR", help="write DIR/report.json and DIR/report.md")
+    certify.add_argument("--json", action="store_true", help="print the report as JSON")
+    certify.add_argument(
+        "--waivers", default=None, metavar="FILE", help="TOML waiver file (default: conformance/waivers.toml)"
+    )
+    certify.add_argument("--verify", default=None, metavar="REPORT", help="check a report.json's digest and contents")
+    certify.set_defaults(run=_certify)
 
     bench = commands.add_parser("bench", help="benchmarks (not tests): see docs/results/")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)

@@ -71,11 +71,15 @@ def _rms_norm_samples(dtype: torch.dtype, device: torch.device, gen: torch.Gener
         w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
         return SampleInput(label, (x, w, 1e-6))
 
+    # Mean of squares ~1e-6 against epsilon 1e-2: a provider that drops or fixes epsilon is off 100x.
+    tiny = 1e-3 * torch.randn(3, 128, generator=gen)
+    weight = (1 + 0.1 * torch.randn(128, generator=gen)).to(device, dtype)
     return [
         case("small", 7, 64),
         case("one token", 1, 256),
         case("llama3-8b decode", 4, 4096),
         case("llama3-8b prefill", 64, 4096),
+        SampleInput("epsilon dominates", (tiny.to(device, dtype), weight, 1e-2)),
     ]
 
 

@@ -8,6 +8,7 @@ lines, with ``mem_banks/<n>/properties`` beside it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -192,7 +193,11 @@ def probe(sysfs_root: str = "/sys") -> ProbeResult:
     found = visible[:count]
     devices = [DeviceInfo(g.name, g.memory, g.arch) for g in found]
     devices += [DeviceInfo(f"AMD GPU {i}") for i in range(len(found), count)]
-    caps: dict[str, CapabilityValue] = {"hip_version": torch.version.hip}
+    caps: dict[str, CapabilityValue] = {
+        "hip_version": torch.version.hip,
+        # find_spec looks for the package without importing it (importing AITER loads its JIT modules).
+        "aiter_installed": importlib.util.find_spec("aiter") is not None,
+    }
     if found:
         # Features of the first visible device: the one rank 0 of an engine runs on.
         caps.update(arch_capabilities(found[0].arch))

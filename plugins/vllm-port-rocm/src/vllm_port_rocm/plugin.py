@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from vllm_port import PlatformDescription, ProbeResult, hookimpl
+from vllm_port.graph import GraphCapture
 from vllm_port.memory import Allocator
 from vllm_port.ops import Provider
 
@@ -41,3 +42,10 @@ def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
 @hookimpl
 def vllm_port_providers() -> list[Provider]:
     return ops.providers()
+
+
+@hookimpl
+def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | None:
+    from .graph import HipGraphCapture
+
+    return HipGraphCapture() if platform.name == "rocm" else None

@@ -1,0 +1,429 @@
+"""``vllm-port certify``: run the conformance suite on one plugin and write a verifiable report.
+
+A plugin is *certified* when its platform is available here (real hardware; the host CPU counts
+for ``cpu``) and every collected check passed or is waived. The suite runs in a subprocess under
+the :mod:`~vllm_port_conformance.recorder` plugin, with fixed seeds and derandomized hypothesis.
+The report (``report.json``, ``report.md``) carries a sha256 digest over its canonical JSON, so
+``vllm-port certify --verify report.json`` notices an edited or truncated report.
+
+Exit status: 0 certified (or report verified), 1 not certified (or report rejected),
+2 could not run (device absent, unknown plugin).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform as host
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .recorder import HYPOTHESIS_PROFILE, RECORD_OPTION, SEED
+
+__all__ = ["STATES", "Waiver", "certify", "digest", "load_waivers", "main", "verify"]
+
+#: the closed set of states a test can end in
+STATES = ("passed", "failed", "error", "skipped", "waived")
+VERDICTS = ("certified", "not certified", "could not run")
+REPORT_VERSION = 1
+REQUIRED_KEYS = (
+    "report_version",
+    "plugin",
+    "versions",
+    "git",
+    "device",
+    "command",
+    "seeds",
+    "tests",
+    "summary",
+    "coverage",
+    "tolerances",
+    "waivers",
+    "timing",
+    "verdict",
+    "reason",
+    "digest",
+)
+DEFAULT_WAIVERS = Path(__file__).resolve().parents[2] / "waivers.toml"  # conformance/waivers.toml in a checkout
+OP_TESTS = ("test_ops::test_provider_",)
+
+
+@dataclass(frozen=True)
+class Waiver:
+    test: str
+    reason: str
+    plugin: str = ""  # empty: every plugin
+
+
+def load_waivers(path: Path | None, plugin: str) -> list[Waiver]:
+    """Waivers for ``plugin`` from a TOML file of ``[[waiver]] test = "...", reason = "...", plugin = "..."``."""
+    if path is None:
+        path = DEFAULT_WAIVERS
+        if not path.is_file():
+            return []
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    data = tomllib.loads(Path(path).read_text())
+    waivers = []
+    for i, entry in enumerate(data.get("waiver", [])):
+        if not entry.get("test") or not str(entry.get("reason", "")).strip():
+            raise ValueError(f"{path}: waiver {i + 1} needs a test id and a reason")
+        w = Waiver(str(entry["test"]), str(entry["reason"]), str(entry.get("plugin", "")))
+        if w.plugin in ("", plugin):
+            waivers.append(w)
+    return waivers
+
+
+def digest(report: dict[str, Any]) -> str:
+    """sha256 over the canonical JSON of the report without its ``digest`` field."""
+    body = {k: v for k, v in report.items() if k != "digest"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _git() -> dict[str, Any]:
+    where = Path(__file__).resolve().parent
+    git = shutil.which("git")
+    if git is None:
+        return {"commit": "unknown", "dirty": "unknown"}
+
+    def run(*args: str) -> str:
+        # S603: the arguments are constants; git is the one found on PATH
+        return subprocess.run(  # noqa: S603
+            [git, *args], cwd=where, capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+
+    try:
+        commit, status = run("rev-parse", "HEAD").strip(), run("status", "--porcelain")
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": "unknown"}
+    return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def _fingerprint(record) -> dict[str, Any]:
+    desc, probe = record.description, record.probe
+    caps = dict(probe.capabilities) if probe is not None else {}
+    return {
+        "platform": desc.name if desc else None,
+        "device_type": desc.device_type if desc else None,
+        "available": record.available,
+        "reason": (probe.reason if probe is not None else record.error) or "",
+        "devices": [
+            {"name": d.name, "total_memory": d.total_memory, "arch": d.arch} for d in (probe.devices if probe else ())
+        ],
+        "capabilities": caps,
+        "driver": next((caps[k] for k in ("driver", "driver_version") if k in caps), None),
+        "host": {"machine": host.machine(), "system": host.system(), "python": host.python_version()},
+    }
+
+
+def _tolerances() -> list[dict[str, Any]]:
+    from vllm_port.ops import ALL_OPS
+
+    return [
+        {"op": op.name, "dtype": str(dtype).removeprefix("torch."), "atol": t.atol, "rtol": t.rtol, "reason": t.reason}
+        for op in ALL_OPS
+        for dtype, t in sorted(op.tolerances.items(), key=lambda kv: str(kv[0]))
+    ]
+
+
+def _coverage(tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per op, provider and dtype: passed/total over the generated op checks (ids ``op-provider-dtype``)."""
+    cells: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for t in tests:
+        if not t["id"].startswith(OP_TESTS) or "[" not in t["id"]:
+            continue
+        param = t["id"].split("[", 1)[1].rstrip("]")
+        head, _, dtype = param.rpartition("-")
+        op, _, provider = head.partition("-")
+        if not (op and provider and dtype):
+            continue
+        cell = cells[(op, provider, dtype)]
+        cell[0] += t["state"] == "passed"
+        cell[1] += 1
+    return [
+        {"op": o, "provider": p, "dtype": d, "passed": c[0], "total": c[1]} for (o, p, d), c in sorted(cells.items())
+    ]
+
+
+def _summary(tests: list[dict[str, Any]]) -> dict[str, int]:
+    counts = {s: 0 for s in STATES}
+    for t in tests:
+        counts[t["state"]] = counts.get(t["state"], 0) + 1
+    return {"total": len(tests), **counts}
+
+
+def _verdict(available: bool, device_reason: str, tests: list[dict[str, Any]]) -> tuple[str, str]:
+    if not available:
+        return "could not run", f"device absent: {device_reason}"
+    if not tests:
+        return "not certified", "no checks ran"
+    bad = [t for t in tests if t["state"] not in ("passed", "waived")]
+    if bad:
+        kinds = _summary(bad)
+        said = ", ".join(f"{n} {s}" for s, n in kinds.items() if s != "total" and n)
+        return "not certified", f"{said} (every required check must pass or be waived)"
+    return "certified", f"all {len(tests)} checks passed or waived"
+
+
+def _run_suite(plugin: str, record_file: Path) -> tuple[list[dict[str, Any]], int, list[str]]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "vllm_port_conformance.recorder",
+        "--pyargs",
+        "vllm_port_conformance.checks",
+        "--vllm-port-plugin",
+        plugin,
+        RECORD_OPTION,
+        str(record_file),
+    ]
+    env = {**os.environ, "PYTHONHASHSEED": str(SEED)}
+    with tempfile.TemporaryDirectory() as cwd:  # no project's pytest configuration applies
+        # S603: this interpreter running pytest on an installed plugin's name, no shell
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)  # noqa: S603
+    if not record_file.is_file():
+        raise RuntimeError(
+            f"the suite did not run (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        )
+    data = json.loads(record_file.read_text())
+    return data["tests"], proc.returncode, cmd
+
+
+def certify(plugin: str, waivers_file: Path | None = None, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the suite on ``plugin`` and return the report (with its digest).
+
+    :raises vllm_port.errors.SelectionError: when no installed plugin is called ``plugin``.
+    """
+    from vllm_port.discovery import discover
+
+    start = time.perf_counter()
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    found = discover(plugins=plugin)
+    record = next(r for r in found.plugins if r.name == plugin)
+    device = _fingerprint(record)
+    waivers = load_waivers(waivers_file, plugin)
+    tests: list[dict[str, Any]] = []
+    suite_cmd: list[str] = []
+    if record.available:
+        with tempfile.TemporaryDirectory() as tmp:
+            tests, _, suite_cmd = _run_suite(plugin, Path(tmp) / "record.json")
+        by_id = {w.test: w for w in waivers}
+        for t in tests:
+            w = by_id.get(t["id"])
+            if w is not None and t["state"] != "passed":
+                t["message"] = f"waived ({w.reason}); was {t['state']}: {t['message']}"
+                t["state"] = "waived"
+    verdict, reason = _verdict(record.available, device["reason"], tests)
+    report: dict[str, Any] = {
+        "report_version": REPORT_VERSION,
+        "plugin": {"name": plugin, "distribution": record.distribution, "version": record.version},
+        "versions": {
+            "vllm-port": _version("vllm-port"),
+            "plugin": record.version or "unknown",
+            "vllm-port-conformance": _version("vllm-port-conformance"),
+            "torch": _version("torch"),
+            "pytest": _version("pytest"),
+            "hypothesis": _version("hypothesis"),
+            "python": host.python_version(),
+        },
+        "git": _git(),
+        "device": device,
+        "command": {"argv": argv if argv is not None else ["vllm-port", "certify", plugin], "suite": suite_cmd},
+        "seeds": {
+            "torch_generator": 0,
+            "torch_global": SEED,
+            "python_random": SEED,
+            "PYTHONHASHSEED": SEED,
+            "hypothesis": f"profile {HYPOTHESIS_PROFILE!r}: derandomize=True, no example database",
+        },
+        "tests": tests,
+        "summary": _summary(tests),
+        "coverage": _coverage(tests),
+        "tolerances": _tolerances(),
+        "waivers": [{"test": w.test, "reason": w.reason, "plugin": w.plugin or "*"} for w in waivers],
+        "timing": {"started": started, "total_s": round(time.perf_counter() - start, 3)},
+        "verdict": verdict,
+        "reason": reason,
+    }
+    report["digest"] = digest(report)
+    return report
+
+
+def verify(report: Any) -> list[str]:
+    """What is wrong with a report (edited, incomplete, inconsistent); empty when it holds."""
+    if not isinstance(report, dict):
+        return ["the report is not a JSON object"]
+    problems = [f"missing key {k!r}" for k in REQUIRED_KEYS if k not in report]
+    if report.get("digest") != digest(report):
+        problems.append("digest mismatch: the report was edited after it was written")
+    tests = report.get("tests")
+    if not isinstance(tests, list):
+        return [*problems, "'tests' is not a list"]
+    malformed = []
+    for i, t in enumerate(tests):
+        if not isinstance(t, dict) or not {"id", "state", "duration_s", "message"} <= set(t):
+            malformed.append(f"incomplete: test {i} lacks id, state, duration_s or message")
+        elif t["state"] not in STATES:
+            malformed.append(f"test {t['id']!r} is in state {t['state']!r}, not one of {', '.join(STATES)}")
+    if malformed:
+        return problems + malformed
+    if report.get("summary") != _summary(tests):
+        problems.append(f"incomplete: summary {report.get('summary')} does not match the {len(tests)} tests listed")
+    device = report.get("device") or {}
+    verdict, _ = _verdict(bool(device.get("available")), str(device.get("reason", "")), tests)
+    if report.get("verdict") != verdict:
+        problems.append(f"verdict {report.get('verdict')!r} is inconsistent with the results ({verdict!r})")
+    return problems
+
+
+def render(report: dict[str, Any]) -> str:
+    """report.md: the report for people."""
+    s, d = report["summary"], report["device"]
+    lines = [
+        f"# vllm-port certification: {report['plugin']['name']}",
+        "",
+        f"**Verdict: {report['verdict']}** ({report['reason']})",
+        "",
+        f"{s['total']} checks: {s['passed']} passed, {s['failed']} failed, {s['error']} error, "
+        f"{s['skipped']} skipped, {s['waived']} waived; {report['timing']['total_s']} s "
+        f"(started {report['timing']['started']}).",
+        "",
+        "## Versions",
+        "",
+        "| component | version |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in report["versions"].items()),
+        f"| git commit | {report['git']['commit']} (dirty: {report['git']['dirty']}) |",
+        "",
+        "## Device",
+        "",
+        f"Platform `{d['platform']}` ({d['device_type']}), available: {d['available']} ({d['reason']}); "
+        f"driver: {d['driver'] or 'n/a'}.",
+        "",
+        *(f"- {dev['name']}: {dev['total_memory']} bytes, arch `{dev['arch']}`" for dev in d["devices"]),
+        "",
+        "Capabilities: " + (", ".join(f"`{k}={v}`" for k, v in sorted(d["capabilities"].items())) or "none"),
+        "",
+        "## Command",
+        "",
+        "`"
+        + shlex.join(report["command"]["argv"])
+        + "`; seeds: "
+        + ", ".join(f"{k}={v}" for k, v in report["seeds"].items()),
+        "",
+        "## Op coverage (checks passed / run, per provider and dtype)",
+        "",
+        "| op | provider | dtype | passed |",
+        "| --- | --- | --- | --- |",
+        *(f"| {c['op']} | {c['provider']} | {c['dtype']} | {c['passed']}/{c['total']} |" for c in report["coverage"]),
+        "",
+        "## Waivers",
+        "",
+        *([f"- `{w['test']}` ({w['plugin']}): {w['reason']}" for w in report["waivers"]] or ["none"]),
+        "",
+        "## Tolerances",
+        "",
+        "| op | dtype | atol | rtol | why |",
+        "| --- | --- | --- | --- | --- |",
+        *(f"| {t['op']} | {t['dtype']} | {t['atol']} | {t['rtol']} | {t['reason']} |" for t in report["tolerances"]),
+        "",
+        "## Tests",
+        "",
+        "| test | state | s | message |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| `{t['id']}` | {t['state']} | {t['duration_s']:.3f} | "
+            + t["message"].replace("|", "\\|").replace("\n", " ")[:300]
+            + " |"
+            for t in report["tests"]
+        ),
+        "",
+        f"Digest: `{report['digest']}` (`vllm-port certify --verify report.json`)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(
+    plugin: str | None, report_dir: str | None, as_json: bool, waivers: str | None, verify_path: str | None
+) -> int:
+    """The ``vllm-port certify`` command; returns the exit status."""
+    if verify_path is not None:
+        try:
+            loaded = json.loads(Path(verify_path).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"report rejected: cannot read {verify_path}: {exc}")
+            return 1
+        problems = verify(loaded)
+        if problems:
+            print(f"report rejected: {verify_path}:\n" + "\n".join(f"  - {p}" for p in problems))
+            return 1
+        print(f"report verified: {loaded['plugin']['name']}: {loaded['verdict']} ({loaded['digest']})")
+        return 0
+    if not plugin:
+        print(
+            "error: name the plugin to certify (e.g. vllm-port certify cpu), or --verify report.json", file=sys.stderr
+        )
+        return 2
+    from vllm_port.errors import SelectionError
+
+    try:
+        argv = ["vllm-port", "certify", plugin]
+        argv += ["--report", report_dir] if report_dir else []
+        argv += ["--waivers", waivers] if waivers else []
+        argv += ["--json"] if as_json else []
+        report = certify(plugin, Path(waivers) if waivers else None, argv)
+    except SelectionError as exc:
+        print(f"error: unknown plugin {plugin!r}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if report_dir:
+        out = Path(report_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+        (out / "report.md").write_text(render(report))
+    if as_json:
+        print(json.dumps(report, indent=1, ensure_ascii=False))
+    else:
+        for t in report["tests"]:
+            if t["state"] not in ("passed", "waived"):
+                print(f"{t['state'].upper()} {t['id']}: {t['message']}")
+        s = report["summary"]
+        print(
+            f"{s['total']} checks: {s['passed']} passed, {s['failed']} failed, {s['error']} error, "
+            f"{s['skipped']} skipped, {s['waived']} waived"
+        )
+    status = {"certified": 0, "not certified": 1, "could not run": 2}[report["verdict"]]
+    line = {"could not run": f"could not run: {report['reason']}"}.get(report["verdict"], report["verdict"])
+    print(f"{plugin}: {line}" if status != 2 else line, file=sys.stderr if as_json else sys.stdout)
+    if report_dir:
+        print(f"report: {Path(report_dir) / 'report.json'}, {Path(report_dir) / 'report.md'}", file=sys.stderr)
+    return status

@@ -1,0 +1,96 @@
+"""A pytest plugin that records every test's outcome for ``vllm-port certify``.
+
+Loaded with ``-p vllm_port_conformance.recorder --vllm-port-record FILE``; writes one JSON object:
+``{"tests": [{"id", "state", "duration_s", "message"}...], "seed": ..., "exit_status": ...}``.
+It also fixes the randomness: Python's and torch's global seeds before each test, and a hypothesis
+profile with ``derandomize=True`` (the same examples every run, so a failure replays).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RECORD_OPTION = "--vllm-port-record"
+SEED = 0
+HYPOTHESIS_PROFILE = "vllm-port-certify"
+MESSAGE_LIMIT = 4000
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("vllm-port").addoption(
+        RECORD_OPTION, default=None, help="write each test's outcome to this JSON file"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        HYPOTHESIS_PROFILE, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
+    settings.load_profile(HYPOTHESIS_PROFILE)
+    config.pluginmanager.register(Recorder(config.getoption(RECORD_OPTION)), "vllm-port-recorder")
+
+
+def test_id(nodeid: str) -> str:
+    """``.../checks/test_ops.py::test_x[case]`` -> ``test_ops::test_x[case]`` (independent of the rootdir)."""
+    path, _, rest = nodeid.partition("::")
+    return f"{Path(path).stem}::{rest}" if rest else Path(path).stem
+
+
+def _message(report: pytest.TestReport | pytest.CollectReport) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr)
+    text = report.longreprtext
+    at = text.find("Falsifying example")  # hypothesis: the example to replay
+    if at >= 0:
+        message += "\n" + text[at : at + 1500]
+    return message[:MESSAGE_LIMIT]
+
+
+class Recorder:
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.tests: dict[str, dict[str, Any]] = {}
+
+    def _entry(self, nodeid: str) -> dict[str, Any]:
+        return self.tests.setdefault(test_id(nodeid), {"state": "passed", "duration_s": 0.0, "message": ""})
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        import torch
+
+        random.seed(SEED)
+        torch.manual_seed(SEED)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        entry = self._entry(report.nodeid)
+        entry["duration_s"] = round(entry["duration_s"] + report.duration, 6)
+        if entry["state"] != "passed":
+            return  # the first thing that went wrong is the outcome
+        if report.skipped:
+            entry.update(state="skipped", message=_message(report))
+        elif report.failed:
+            entry.update(state="failed" if report.when == "call" else "error", message=_message(report))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.tests[test_id(report.nodeid) or "collection"] = {
+                "state": "error",
+                "duration_s": 0.0,
+                "message": "collection failed: " + _message(report),
+            }
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if not self.path:
+            return
+        tests = [{"id": k, **v} for k, v in self.tests.items()]
+        data = {"tests": tests, "seed": SEED, "hypothesis_profile": HYPOTHESIS_PROFILE, "exit_status": int(exitstatus)}
+        Path(self.path).write_text(json.dumps(data, indent=1))
