@@ -51,7 +51,9 @@ def _check_heads(op: str, query: torch.Tensor, num_kv_heads: int, head_size: int
         )
 
 
-def _check_softcap_window(op: str, sliding_window: int, soft_cap: float) -> None:
+def _check_scale_softcap_window(op: str, scale: float, sliding_window: int, soft_cap: float) -> None:
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise OpInputError(f"{op}: scale must be a positive finite float (usually head_size ** -0.5), got {scale!r}")
     if not isinstance(sliding_window, int) or sliding_window < 0:
         raise OpInputError(f"{op}: sliding_window must be an int >= 0 (0 = no window), got {sliding_window!r}")
     if not isinstance(soft_cap, (int, float)) or not math.isfinite(soft_cap) or soft_cap < 0:
@@ -150,9 +152,7 @@ def check_paged_attention(
             f"{op}: {query.shape[0]} queries (one per sequence) but block_tables has {block_tables.shape[0]} rows "
             f"and seq_lens {seq_lens.shape[0]} entries"
         )
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise OpInputError(f"{op}: scale must be a positive finite float (usually head_size ** -0.5), got {scale!r}")
-    _check_softcap_window(op, sliding_window, soft_cap)
+    _check_scale_softcap_window(op, scale, sliding_window, soft_cap)
 
 
 def paged_attention_reference(
@@ -202,9 +202,7 @@ def check_prefill_attention(
         raise OpInputError(
             f"{op}: max_query_len must be a positive int (the longest sequence's query tokens), got {max_query_len!r}"
         )
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise OpInputError(f"{op}: scale must be a positive finite float (usually head_size ** -0.5), got {scale!r}")
-    _check_softcap_window(op, sliding_window, soft_cap)
+    _check_scale_softcap_window(op, scale, sliding_window, soft_cap)
 
 
 def prefill_attention_reference(
