@@ -1,4 +1,4 @@
-"""The op references against formulas written out in float64, their error inputs, and ``compare``."""
+"""The op references against formulas written out in float64, their error inputs, and ``Op.check``."""
 
 import re
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_port.errors import OpInputError
-from vllm_port.ops import ALL_OPS, compare, rms_norm, silu_and_mul
+from vllm_port.ops import ALL_OPS, rms_norm, silu_and_mul
 
 
 def test_rms_norm_reference_matches_the_formula():
@@ -39,14 +39,14 @@ def test_reference_is_within_its_own_tolerance_and_samples_are_random(op, dtype)
     assert all(t.reason for t in op.tolerances.values())
 
 
-def test_compare_catches_wrong_values_shapes_and_dtypes():
+def test_check_catches_wrong_values_shapes_and_dtypes():
     x, w = torch.randn(4, 8), torch.randn(8)
     good = rms_norm.reference(x, w, 1e-6)
-    assert compare(rms_norm, (x, w, 1e-6), good, torch.float32) is None
+    assert rms_norm.check(lambda *_: good, (x, w, 1e-6), torch.float32) is None
     ignored_epsilon = rms_norm.reference(x, w, 1.0)
-    assert "elements off" in compare(rms_norm, (x, w, 1e-6), ignored_epsilon, torch.float32)
-    assert "shape" in compare(rms_norm, (x, w, 1e-6), good[:3], torch.float32)
-    assert "dtype" in compare(rms_norm, (x, w, 1e-6), good.half(), torch.float32)
+    assert "elements off" in rms_norm.check(lambda *_: ignored_epsilon, (x, w, 1e-6), torch.float32)
+    assert "shape" in rms_norm.check(lambda *_: good[:3], (x, w, 1e-6), torch.float32)
+    assert "dtype" in rms_norm.check(lambda *_: good.half(), (x, w, 1e-6), torch.float32)
     poisoned = good.clone()
     poisoned[2, 3] = float("nan")
-    assert "first at (2, 3)" in compare(rms_norm, (x, w, 1e-6), poisoned, torch.float32)
+    assert "first at (2, 3)" in rms_norm.check(lambda *_: poisoned, (x, w, 1e-6), torch.float32)

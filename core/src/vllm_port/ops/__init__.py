@@ -9,7 +9,7 @@ Plugins register providers through the ``vllm_port_providers`` hook; engines cal
 
 from __future__ import annotations
 
-from ._op import ErrorInput, Op, SampleInput, Tolerance, compare
+from ._op import ErrorInput, Op, SampleInput, Tolerance
 from ._registry import FLOAT_DTYPES, REFERENCE, BindContext, BoundOps, OpRegistry, Provider, provider
 from .activation import gelu_and_mul, silu_and_mul
 from .attention import paged_attention, prefill_attention, reshape_and_cache
@@ -45,7 +45,6 @@ __all__ = [
     "Provider",
     "SampleInput",
     "Tolerance",
-    "compare",
     "embedding",
     "fused_add_rms_norm",
     "gelu_and_mul",

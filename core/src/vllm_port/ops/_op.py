@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ErrorInput", "Op", "SampleInput", "Tolerance", "compare"]
+__all__ = ["ErrorInput", "Op", "SampleInput", "Tolerance"]
 
 
 @dataclass(frozen=True)
@@ -154,8 +154,3 @@ def _compare(actual: Any, expected: Any, tol: Tolerance, dtype: torch.dtype) -> 
         f"{int(bad.sum())} of {bad.numel()} elements off (atol={tol.atol}, rtol={tol.rtol}); "
         f"first at {index}: got {got[index].item():.6g}, expected {want[index].item():.6g}"
     )
-
-
-def compare(op: Op, args: tuple[Any, ...], actual: Any, dtype: torch.dtype) -> str | None:
-    """Compare a functional op's output ``actual`` on ``args`` with the float64 reference (see :meth:`Op.check`)."""
-    return op.check(lambda *_: actual, args, dtype)
