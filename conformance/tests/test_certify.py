@@ -44,7 +44,24 @@ def _verify(tmp_path, report, capsys):
 
 def test_verify_accepts_the_untouched_report(cpu_certified, capsys):
     assert cli.main(["certify", "--verify", str(cpu_certified.report_dir / "report.json")]) == 0
-    assert "report verified: cpu: certified" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "report verified: cpu: certified" in out
+    assert "source: the same as the packages installed here" in out
+
+
+def test_the_report_carries_a_digest_of_the_sources_it_ran(cpu_certified):
+    source = cpu_certified.report["source"]
+    assert source["packages"] == ["vllm_port", "vllm_port_conformance", "vllm_port_cpu"]
+    assert source["files"] > 50 and source == certify.source_digest("cpu")
+    assert certify.source_digest("cuda")["sha256"] != source["sha256"]  # another plugin's package instead
+
+
+def test_outside_a_checkout_the_commit_comes_from_the_runner(monkeypatch):
+    monkeypatch.delenv(certify.COMMIT_ENV, raising=False)
+    assert certify._git_from_env() == {"commit": "unknown", "dirty": "unknown"}
+    monkeypatch.setenv(certify.COMMIT_ENV, "0123abc")
+    got = certify._git_from_env()
+    assert got["commit"] == "0123abc" and got["dirty"] == "unknown" and certify.COMMIT_ENV in got["from"]
 
 
 def test_verify_rejects_an_edited_field(cpu_certified, tmp_path, capsys):

@@ -7,12 +7,16 @@ import vllm_port
 from vllm_port.kv_pool import BlockPool
 from vllm_port.memory import (
     Allocator,
+    HostMemoryAllocator,
     KVCache,
     KVLayout,
     MemoryContractError,
     OutOfMemoryError,
     TorchMigrator,
+    consecutive_runs,
+    copy_across_tiers,
     default_block_pool_factory,
+    host_memory,
 )
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.bfloat16)  # 512 B a block
@@ -56,6 +60,22 @@ def test_caches_are_disjoint_views_of_one_buffer():
         assert t.untyped_storage().data_ptr() == kv.buffer.untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("block_major", [False, True])
+def test_blocks_view_holds_block_b_of_every_layer(block_major):
+    kv = KVCache(FakeDevice(), LAYOUT, 8 * 512, block_major=block_major)
+    for layer in range(LAYOUT.num_layers):
+        kv.key_caches[layer].copy_(torch.arange(8).view(8, 1, 1, 1) + 100 * layer)
+        kv.value_caches[layer].copy_(-torch.arange(8).view(8, 1, 1, 1) - 100 * layer)
+    assert kv.blocks.shape == (8, 2, 2, 4, 2, 8)
+    assert kv.blocks.is_contiguous() == block_major
+    for b in (0, 5, 7):
+        for layer in range(LAYOUT.num_layers):
+            assert torch.all(kv.blocks[b, 0, layer] == b + 100 * layer)
+            assert torch.all(kv.blocks[b, 1, layer] == -b - 100 * layer)
+    kv.close()
+    assert kv.blocks.numel() == 0
+
+
 def test_fraction_budget_follows_free_memory():
     kv = KVCache(FakeDevice(total=1 << 20, free=1 << 19), LAYOUT, 0.5)
     assert kv.budget_bytes == 1 << 18
@@ -89,6 +109,63 @@ def test_runtime_serves_the_defaults():
     kv = runtime.kv_cache(LAYOUT, 64 * 512)
     assert kv.num_blocks == 64
     kv.close()
+
+
+def test_runtime_serves_only_the_tiers_the_platform_declares():
+    runtime = vllm_port.load(plugins="cpu", device="cpu")
+    with pytest.raises(MemoryContractError, match="has no memory tier 'pinned_host'; its tiers are device"):
+        runtime.allocator("pinned_host")
+    with pytest.raises(MemoryContractError, match="no memory tier 'hbm'"):
+        runtime.kv_cache(LAYOUT, 64 * 512, tier="hbm")
+
+
+def test_host_allocator_accounts_and_reads_meminfo(tmp_path):
+    alloc = HostMemoryAllocator(pinned=False)
+    buffer = alloc.allocate(4096)
+    assert buffer.device.type == "cpu" and alloc.stats().allocated == 4096
+    alloc.free(buffer)
+    assert alloc.stats().allocated == 0
+    free, total = alloc.mem_info()
+    assert 0 < free <= total
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemFree:         10 kB\nMemAvailable:    600 kB\n")
+    assert host_memory(str(meminfo)) == (600 * 1024, 1000 * 1024)
+    assert 0 < host_memory(str(tmp_path / "absent"))[0]  # sysconf without /proc
+
+
+@pytest.mark.parametrize(
+    ("ids", "runs"),
+    [
+        ([], []),
+        ([3], [(0, 3, 1)]),
+        ([4, 5, 6, 9, 2, 3], [(0, 4, 3), (3, 9, 1), (4, 2, 2)]),
+        ([1, 1], [(0, 1, 1), (1, 1, 1)]),
+    ],
+)
+def test_consecutive_runs(ids, runs):
+    assert consecutive_runs(ids) == runs
+
+
+@pytest.mark.parametrize("staging_bytes", [1, 3 * 1024, 1 << 20])  # one block a chunk, 3 blocks, all at once
+def test_copy_across_tiers_moves_strided_device_blocks_to_block_major_host_and_back(staging_bytes):
+    device = KVCache(FakeDevice(), LAYOUT, 16 * 1024)  # 1 KiB blocks over 2 layers, k and v
+    host = KVCache(FakeDevice(), LAYOUT, 12 * 1024, block_major=True)
+    device.buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, (device.buffer.numel() // 2,)))
+    original = device.blocks.clone()
+    src_ids, dst_ids = [7, 0, 3, 12, 5, 9, 1], [4, 5, 6, 0, 11, 10, 2]  # runs 4-6, 0, 10-11, 2 on the host
+    copy_across_tiers(device.blocks, host.blocks, src_ids, dst_ids, outbound=True, staging_bytes=staging_bytes)
+    for a, b in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(host.blocks[b].view(torch.int16), original[a].view(torch.int16))
+    device.buffer.zero_()
+    copy_across_tiers(host.blocks, device.blocks, dst_ids, src_ids, outbound=False, staging_bytes=staging_bytes)
+    for a in range(device.num_blocks):
+        expected = original[a] if a in src_ids else torch.zeros_like(original[a])
+        assert torch.equal(device.blocks[a].view(torch.int16), expected.view(torch.int16))
+
+
+def test_a_migrator_needs_a_positive_staging_size():
+    with pytest.raises(MemoryContractError, match="staging_bytes must be positive, got 0"):
+        TorchMigrator(staging_bytes=0)
 
 
 def _caches(num_blocks, seed=0):

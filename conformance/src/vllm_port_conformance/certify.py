@@ -13,6 +13,7 @@ Exit status: 0 certified (or report verified), 1 not certified (or report reject
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import platform as host
@@ -36,12 +37,13 @@ __all__ = ["STATES", "Waiver", "certify", "digest", "load_waivers", "main", "ver
 #: the closed set of states a test can end in
 STATES = ("passed", "failed", "error", "skipped", "waived")
 VERDICTS = ("certified", "not certified", "could not run")
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: the source digest
 REQUIRED_KEYS = (
     "report_version",
     "plugin",
     "versions",
     "git",
+    "source",
     "device",
     "command",
     "seeds",
@@ -57,6 +59,7 @@ REQUIRED_KEYS = (
 )
 DEFAULT_WAIVERS = Path(__file__).resolve().parents[2] / "waivers.toml"  # conformance/waivers.toml in a checkout
 OP_TESTS = ("test_ops::test_provider_",)
+COMMIT_ENV = "VLLM_PORT_GIT_COMMIT"
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,37 @@ def _git() -> dict[str, Any]:
     try:
         commit, status = run("rev-parse", "HEAD").strip(), run("status", "--porcelain")
     except (OSError, subprocess.SubprocessError):
-        return {"commit": "unknown", "dirty": "unknown"}
+        return _git_from_env()
     return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def _git_from_env() -> dict[str, Any]:
+    """Outside a checkout (a copied tree on a test machine) the runner may name the commit it sent;
+    the report says where the commit came from, and the source digest ties it to the files."""
+    commit = os.environ.get(COMMIT_ENV, "").strip()
+    if not commit:
+        return {"commit": "unknown", "dirty": "unknown"}
+    return {"commit": commit, "dirty": "unknown", "from": f"{COMMIT_ENV} (no git checkout here)"}
+
+
+def source_digest(plugin: str) -> dict[str, Any]:
+    """sha256 over the Python sources of core, the plugin's package and the suite, by relative path.
+
+    It ties a report to code where git cannot (a copied tree): anyone can compute it from a
+    checkout with the packages installed and compare.
+    """
+    packages = {"vllm_port", "vllm_port_conformance"}
+    packages |= {ep.module.split(".")[0] for ep in metadata.entry_points(group="vllm_port") if ep.name == plugin}
+    sha, files = hashlib.sha256(), 0
+    for package in sorted(packages):
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            continue
+        root = Path(spec.origin).parent
+        for path in sorted(root.rglob("*.py")):
+            sha.update(f"{package}/{path.relative_to(root).as_posix()}".encode() + b"\0" + path.read_bytes() + b"\0")
+            files += 1
+    return {"packages": sorted(packages), "files": files, "sha256": sha.hexdigest()}
 
 
 def _fingerprint(record) -> dict[str, Any]:
@@ -253,6 +285,7 @@ def certify(plugin: str, waivers_file: Path | None = None, argv: list[str] | Non
             "python": host.python_version(),
         },
         "git": _git(),
+        "source": source_digest(plugin),
         "device": device,
         "command": {"argv": argv if argv is not None else ["vllm-port", "certify", plugin], "suite": suite_cmd},
         "seeds": {
@@ -319,7 +352,11 @@ def render(report: dict[str, Any]) -> str:
         "| component | version |",
         "| --- | --- |",
         *(f"| {k} | {v} |" for k, v in report["versions"].items()),
-        f"| git commit | {report['git']['commit']} (dirty: {report['git']['dirty']}) |",
+        f"| git commit | {report['git']['commit']} (dirty: {report['git']['dirty']}"
+        + (f"; from {report['git']['from']}" if "from" in report["git"] else "")
+        + ") |",
+        f"| source sha256 | {report['source']['sha256']} ({report['source']['files']} files of "
+        f"{', '.join(report['source']['packages'])}) |",
         "",
         "## Device",
         "",
@@ -385,6 +422,9 @@ def main(
             print(f"report rejected: {verify_path}:\n" + "\n".join(f"  - {p}" for p in problems))
             return 1
         print(f"report verified: {loaded['plugin']['name']}: {loaded['verdict']} ({loaded['digest']})")
+        here = source_digest(loaded["plugin"]["name"])["sha256"]
+        same = here == loaded["source"]["sha256"]
+        print(f"source: {'the same as' if same else 'differs from'} the packages installed here (sha256 {here})")
         return 0
     if not plugin:
         print(

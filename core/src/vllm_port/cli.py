@@ -43,6 +43,12 @@ def _bench_pool(args: argparse.Namespace) -> int:
     return pool.main(json_path=args.json)
 
 
+def _bench_swap(args: argparse.Namespace) -> int:
+    from .bench import swap
+
+    return swap.main(json_path=args.json, device_name=args.device)
+
+
 def _certify(args: argparse.Namespace) -> int:
     try:
         from vllm_port_conformance import certify
@@ -107,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     pool = bench_kinds.add_parser("pool", help="KV block pool ops per second and usable KV capacity")
     pool.add_argument("--json", default=None, help="also write the results to this JSON file")
     pool.set_defaults(run=_bench_pool)
+    swap = bench_kinds.add_parser(
+        "swap", help="migrator swap bandwidth device <-> pinned host vs a plain pinned copy_ (needs a GPU)"
+    )
+    swap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    swap.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
+    swap.set_defaults(run=_bench_swap)
     comm = bench_kinds.add_parser(
         "comm", help="all_reduce bus bandwidth through the comm contract against torch.distributed, 2 ranks"
     )

@@ -8,6 +8,7 @@ flat ``torch.uint8`` tensors on the platform's device, so any op can view them w
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ from .kv_pool import BlockPool, blocks_for_budget, kv_block_bytes
 __all__ = [
     "Allocator",
     "BlockPoolFactory",
+    "HostMemoryAllocator",
     "KVCache",
     "KVLayout",
     "MemoryContractError",
@@ -28,7 +30,10 @@ __all__ = [
     "Migrator",
     "OutOfMemoryError",
     "TorchMigrator",
+    "consecutive_runs",
+    "copy_across_tiers",
     "default_block_pool_factory",
+    "host_memory",
 ]
 
 
@@ -126,11 +131,41 @@ def _describe(buffer: Any) -> str:
     return repr(buffer)
 
 
+class HostMemoryAllocator(Allocator):
+    """Host memory for the ``pinned_host`` tier (page-locked, so device copies run asynchronously)
+    and the ``host`` tier (pageable). Free and total come from ``/proc/meminfo`` where it exists."""
+
+    def __init__(self, pinned: bool) -> None:
+        super().__init__("pinned host allocator" if pinned else "host allocator", "cpu")
+        self.pinned = pinned
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def _mem_info(self) -> tuple[int, int]:
+        return host_memory()
+
+
+def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int, int]:
+    """``(available, total)`` bytes of host memory: MemAvailable and MemTotal, or ``sysconf`` without /proc."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 class Migrator(Protocol):
     """Moves KV blocks between a platform's memory tiers (swap out, swap in, offload)."""
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> Any:
-        """Copy blocks ``pairs[:, 0]`` of ``src`` into blocks ``pairs[:, 1]`` of ``dst``; return a waitable handle."""
+        """Copy blocks ``pairs[:, 0]`` of ``src`` into blocks ``pairs[:, 1]`` of ``dst``; return a waitable handle.
+
+        ``src`` and ``dst`` index blocks along dim 0 and agree on the rest of the shape and the
+        dtype; a block may be a strided view (``KVCache.blocks``: one block of every layer).
+        """
         ...
 
 
@@ -178,6 +213,9 @@ class KVCache:
         (``allocator.mem_info()``); an int is bytes. Whole blocks fill it (every block but a
         partial last one, so at least 95% of any budget of 20 blocks or more).
     :param pool_factory: builds the pool (``Runtime.block_pool_factory()``); core's default when ``None``.
+    :param block_major: store each block's layers side by side (``[num_blocks, 2, num_layers, ...]``)
+        instead of each layer's blocks (``[2, num_layers, num_blocks, ...]``, what attention kernels
+        read). A swap tier wants it: every block is then one contiguous run that moves in one copy.
     :raises MemoryContractError: for a budget larger than the device or holding no block.
     :raises OutOfMemoryError: when the device's free memory cannot hold the budget's blocks.
     """
@@ -188,6 +226,7 @@ class KVCache:
         layout: KVLayout,
         budget: float | int,
         pool_factory: BlockPoolFactory | None = None,
+        block_major: bool = False,
     ) -> None:
         free, total = allocator.mem_info()
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -214,8 +253,18 @@ class KVCache:
         self.budget_bytes = budget_bytes
         self.num_blocks: int = self.pool.num_blocks
         self.buffer = allocator.allocate(self.num_blocks * block_bytes)
-        shape = (2, layout.num_layers, self.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
-        caches = self.buffer.view(layout.dtype).view(shape)
+        self.block_major = block_major
+        block = (layout.block_size, layout.num_kv_heads, layout.head_size)
+        elements = self.buffer.view(layout.dtype)
+        if block_major:
+            blocks = elements.view(self.num_blocks, 2, layout.num_layers, *block)
+            caches = blocks.permute(1, 2, 0, 3, 4, 5)
+        else:
+            caches = elements.view(2, layout.num_layers, self.num_blocks, *block)
+            blocks = caches.permute(2, 0, 1, 3, 4, 5)
+        #: ``blocks[b]`` is block ``b`` of every layer's keys and values,
+        #: ``[num_blocks, 2, num_layers, block_size, num_kv_heads, head_size]``: what the migrator moves.
+        self.blocks: torch.Tensor = blocks
         self.key_caches: list[torch.Tensor] = list(caches[0].unbind(0))
         self.value_caches: list[torch.Tensor] = list(caches[1].unbind(0))
 
@@ -228,6 +277,7 @@ class KVCache:
         """Give the buffer back to the allocator; the caches must not be used after."""
         if self.buffer is not None:
             self.key_caches, self.value_caches = [], []
+            self.blocks = self.blocks.new_empty((0, *self.blocks.shape[1:]))
             buffer, self.buffer = self.buffer, None
             self.allocator.free(buffer)
 
@@ -288,9 +338,17 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 class TorchMigrator:
     """Core's default migrator: indexed block copies with plain torch, on a side stream where the
-    platform has streams (``torch.Stream``/``torch.Event``), synchronously on CPU."""
+    platform has streams (``torch.Stream``/``torch.Event``), synchronously on CPU.
 
-    def __init__(self) -> None:
+    Across tiers it stages on the device (see :func:`copy_across_tiers`), so the copy engines see
+    one transfer per run of consecutive host blocks instead of one per block.
+    """
+
+    def __init__(self, staging_bytes: int = 256 << 20) -> None:
+        """:param staging_bytes: the most device memory one cross-tier copy stages at a time."""
+        if staging_bytes <= 0:
+            raise MemoryContractError(f"TorchMigrator: staging_bytes must be positive, got {staging_bytes!r}")
+        self.staging_bytes = staging_bytes
         self._reading: dict[_BlockKey, int] = {}  # (cache address, block) -> copies reading it
         self._writing: set[_BlockKey] = set()  # (cache address, block) being written
         self._streams: dict[torch.device, Any] = {}
@@ -373,9 +431,9 @@ class TorchMigrator:
                 src_idx = torch.tensor(src_ids).to(device, non_blocking=True)
                 dst_idx = torch.tensor(dst_ids).to(device, non_blocking=True)
                 dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
-            else:  # across tiers: one async copy per block, straight from/into pinned host memory
-                for a, b in zip(src_ids, dst_ids, strict=True):
-                    dst[b].copy_(src[a], non_blocking=True)
+            else:
+                outbound = dst.device.type == "cpu"
+                copy_across_tiers(src, dst, src_ids, dst_ids, outbound=outbound, staging_bytes=self.staging_bytes)
             done = torch.Event(device=device)
             done.record(stream)
         finally:
@@ -388,3 +446,57 @@ class TorchMigrator:
             if self._reading[key] == 0:
                 del self._reading[key]
         self._writing.difference_update(writes)
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position, first id, length)`` of each maximal run of consecutive ids in ``ids``, in order.
+
+    >>> consecutive_runs([4, 5, 6, 9, 2, 3])
+    [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    """
+    runs: list[tuple[int, int, int]] = []
+    for position, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((position, block, 1))
+    return runs
+
+
+def copy_across_tiers(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: list[int],
+    dst_ids: list[int],
+    *,
+    outbound: bool,
+    staging_bytes: int,
+) -> None:
+    """Copy blocks between a device tensor and a host tensor through a contiguous device buffer.
+
+    Outbound (``src`` on the device, swap-out) gathers the blocks on the device in the order of
+    their host ids, then copies each run of consecutive host blocks in one transfer; inbound
+    (``dst`` on the device, swap-in) does the reverse and scatters on the device. Device-side
+    gathers cost HBM bandwidth, two orders above the link's, and however scattered the device
+    blocks are, the link moves whole runs. Staging goes in chunks of at most ``staging_bytes``.
+    Copies are queued on the current stream (``non_blocking``).
+    """
+    device = src.device if outbound else dst.device
+    host_ids = dst_ids if outbound else src_ids
+    order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
+    block_bytes = max(1, src[0].numel() * src.element_size()) if src.shape[0] else 1
+    per_chunk = max(1, staging_bytes // block_bytes)
+    for chunk_start in range(0, len(order), per_chunk):
+        chunk = order[chunk_start : chunk_start + per_chunk]
+        host_chunk = [host_ids[i] for i in chunk]
+        device_idx = torch.tensor([(src_ids if outbound else dst_ids)[i] for i in chunk]).to(device, non_blocking=True)
+        if outbound:
+            staged = src.index_select(0, device_idx)
+            for position, first, length in consecutive_runs(host_chunk):
+                dst[first : first + length].copy_(staged[position : position + length], non_blocking=True)
+        else:
+            staged = torch.empty((len(chunk), *src.shape[1:]), dtype=src.dtype, device=device)
+            for position, first, length in consecutive_runs(host_chunk):
+                staged[position : position + length].copy_(src[first : first + length], non_blocking=True)
+            dst.index_copy_(0, device_idx, staged)

@@ -13,9 +13,9 @@ import torch
 
 from .comm import Collectives, Communicator, PointToPoint
 from .discovery import Discovery, PluginRecord, discover, first_result
-from .errors import PluginError, SelectionError
+from .errors import MemoryContractError, PluginError, SelectionError
 from .graph import GraphCapture
-from .memory import Allocator, BlockPoolFactory, KVCache, KVLayout, Migrator
+from .memory import Allocator, BlockPoolFactory, HostMemoryAllocator, KVCache, KVLayout, Migrator
 from .ops import BindContext, BoundOps, OpRegistry
 from .platform import PlatformDescription
 
@@ -112,8 +112,26 @@ class Runtime:
             prefer = parse_provider_preferences(os.environ.get(PROVIDERS_ENV))
         return self.registry.bind(self.bind_context(dtype), prefer, traceable)
 
-    def allocator(self) -> Allocator:
-        """The selected platform's allocator."""
+    def allocator(self, tier: str = "device") -> Allocator:
+        """The allocator of one of the selected platform's memory tiers.
+
+        ``device`` comes from the platform's plugin; core serves ``pinned_host`` and ``host``
+        (:class:`~vllm_port.memory.HostMemoryAllocator`) for platforms that declare them.
+
+        :raises MemoryContractError: for a tier the platform does not declare, or one core cannot serve.
+        """
+        if tier not in self.platform.memory_tiers:
+            raise MemoryContractError(
+                f"platform {self.platform.name!r} has no memory tier {tier!r}; "
+                f"its tiers are {', '.join(self.platform.memory_tiers)}"
+            )
+        if tier in ("pinned_host", "host"):
+            return HostMemoryAllocator(pinned=tier == "pinned_host")
+        if tier != "device":
+            raise MemoryContractError(
+                f"platform {self.platform.name!r} declares memory tier {tier!r}, but core serves only "
+                "device, pinned_host and host allocators"
+            )
         plugin, allocator = first_result(self.discovery.manager, "vllm_port_allocator", platform=self.platform)
         if not isinstance(allocator, Allocator):
             raise PluginError(
@@ -142,9 +160,13 @@ class Runtime:
             )
         return migrator
 
-    def kv_cache(self, layout: KVLayout, budget: float | int) -> KVCache:
-        """The paged KV cache of ``layout`` in ``budget`` (a fraction of free memory, or bytes) on this platform."""
-        return KVCache(self.allocator(), layout, budget, self.block_pool_factory())
+    def kv_cache(self, layout: KVLayout, budget: float | int, tier: str = "device") -> KVCache:
+        """The paged KV cache of ``layout`` in ``budget`` (a fraction of free memory, or bytes) in ``tier``.
+
+        The device tier is laid out for the attention kernels; other tiers (swap space) are
+        block-major, so the migrator moves each block in one piece.
+        """
+        return KVCache(self.allocator(tier), layout, budget, self.block_pool_factory(), block_major=tier != "device")
 
     def graph_capture(self) -> GraphCapture | None:
         """The platform's graph capture, or ``None`` when it has none (a runner then runs eagerly)."""

@@ -12,14 +12,17 @@ from vllm_port_conformance.pool_machine import pool_machine
 
 
 def test_allocation_accounting_returns_to_baseline(plugin):
-    alloc = plugin.runtime().allocator()
-    before = alloc.stats()
-    buffers = [alloc.allocate(n) for n in (1, 4096, 1 << 20)]
-    assert alloc.stats().allocated == before.allocated + 1 + 4096 + (1 << 20)
-    for buf in buffers:
-        assert buf.device.type == plugin.device.type
-        alloc.free(buf)
-    assert alloc.stats().allocated == before.allocated
+    runtime = plugin.runtime()
+    for tier in runtime.platform.memory_tiers:
+        alloc = runtime.allocator(tier)
+        before = alloc.stats()
+        buffers = [alloc.allocate(n) for n in (1, 4096, 1 << 20)]
+        assert alloc.stats().allocated == before.allocated + 1 + 4096 + (1 << 20), tier
+        for buf in buffers:
+            assert buf.device.type == (plugin.device.type if tier == "device" else "cpu"), tier
+            assert buf.is_pinned() or tier != "pinned_host", "pinned_host tier gave pageable memory"
+            alloc.free(buf)
+        assert alloc.stats().allocated == before.allocated, tier
 
 
 def test_double_free_is_refused(plugin):
@@ -127,3 +130,48 @@ def test_migration_round_trip_is_bit_exact_between_tiers(plugin):
         kv.pool.free(blocks)
     finally:
         kv.close()
+
+
+def test_swap_between_kv_caches_of_every_tier_is_bit_exact(plugin):
+    """Swap out scattered blocks of a device KV cache into each tier's cache (block-major off the
+    device), overwrite them, swap them back: every bit returns, and no other block changes."""
+    runtime = plugin.runtime()
+    migrator = runtime.migrator()
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.bfloat16)
+    device = runtime.kv_cache(layout, 24 * layout.block_bytes)
+    try:
+        bits = torch.randint(
+            -(2**15),
+            2**15,
+            (device.buffer.numel() // 2,),
+            dtype=torch.int16,
+            generator=torch.Generator().manual_seed(1),
+        )
+        device.buffer.view(torch.int16).copy_(bits.to(device.buffer.device))
+        original = device.blocks.cpu().clone()
+        for tier in runtime.platform.memory_tiers:
+            swap = runtime.kv_cache(layout, 16 * layout.block_bytes, tier=tier)
+            try:
+                victims = [17, 2, 3, 4, 11, 23, 0]
+                slots = swap.pool.allocate(len(victims))
+                slots = [slots[i] for i in (5, 0, 1, 2, 6, 4, 3)]  # some runs, some not
+                out = migrator.copy_blocks(
+                    device.blocks, swap.blocks, list(zip(victims, slots, strict=True)), dst_pool=swap.pool
+                )
+                out.wait()
+                device.blocks[victims] = 0
+                back = migrator.copy_blocks(
+                    swap.blocks, device.blocks, list(zip(slots, victims, strict=True)), src_pool=swap.pool
+                )
+                back.wait()
+                assert back.done()
+                swap.pool.free(slots)
+                got = device.blocks.cpu()
+                for b in range(device.num_blocks):
+                    assert torch.equal(got[b].view(torch.int16), original[b].view(torch.int16)), (
+                        f"block {b} differs after a swap through tier {tier!r}"
+                    )
+            finally:
+                swap.close()
+    finally:
+        device.close()
