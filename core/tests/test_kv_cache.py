@@ -146,26 +146,37 @@ def test_consecutive_runs(ids, runs):
     assert consecutive_runs(ids) == runs
 
 
-@pytest.mark.parametrize("staging_bytes", [1, 3 * 1024, 1 << 20])  # one block a chunk, 3 blocks, all at once
-def test_copy_across_tiers_moves_strided_device_blocks_to_block_major_host_and_back(staging_bytes):
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 1024, 1 << 20])  # one block a chunk (slots reused), 3 blocks, all
+def test_copy_across_tiers_moves_strided_device_blocks_to_block_major_host_and_back(chunk_bytes):
     device = KVCache(FakeDevice(), LAYOUT, 16 * 1024)  # 1 KiB blocks over 2 layers, k and v
     host = KVCache(FakeDevice(), LAYOUT, 12 * 1024, block_major=True)
     device.buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, (device.buffer.numel() // 2,)))
     original = device.blocks.clone()
     src_ids, dst_ids = [7, 0, 3, 12, 5, 9, 1], [4, 5, 6, 0, 11, 10, 2]  # runs 4-6, 0, 10-11, 2 on the host
-    copy_across_tiers(device.blocks, host.blocks, src_ids, dst_ids, outbound=True, staging_bytes=staging_bytes)
+    copy_across_tiers(device.blocks, host.blocks, src_ids, dst_ids, outbound=True, chunk_bytes=chunk_bytes)
     for a, b in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(host.blocks[b].view(torch.int16), original[a].view(torch.int16))
     device.buffer.zero_()
-    copy_across_tiers(host.blocks, device.blocks, dst_ids, src_ids, outbound=False, staging_bytes=staging_bytes)
+    copy_across_tiers(host.blocks, device.blocks, dst_ids, src_ids, outbound=False, chunk_bytes=chunk_bytes)
     for a in range(device.num_blocks):
         expected = original[a] if a in src_ids else torch.zeros_like(original[a])
         assert torch.equal(device.blocks[a].view(torch.int16), expected.view(torch.int16))
 
 
-def test_a_migrator_needs_a_positive_staging_size():
-    with pytest.raises(MemoryContractError, match="staging_bytes must be positive, got 0"):
-        TorchMigrator(staging_bytes=0)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int64, torch.uint8])  # 6-byte rows, words already, bytes
+def test_copy_across_tiers_copies_any_element_size(dtype):
+    device = torch.arange(8 * 2 * 3).to(dtype).view(8, 2, 3)
+    host = torch.zeros(4, 2, 3, dtype=dtype)
+    copy_across_tiers(device, host, [6, 1, 2], [3, 0, 1], outbound=True, chunk_bytes=1 << 20)
+    assert torch.equal(host[[3, 0, 1]], device[[6, 1, 2]])
+    back = torch.zeros_like(device)
+    copy_across_tiers(host, back, [3, 0], [5, 7], outbound=False, chunk_bytes=1)
+    assert torch.equal(back[[5, 7]], device[[6, 1]]) and not back[:5].any()
+
+
+def test_a_migrator_needs_a_positive_chunk_size():
+    with pytest.raises(MemoryContractError, match="chunk_bytes must be positive, got 0"):
+        TorchMigrator(chunk_bytes=0)
 
 
 def _caches(num_blocks, seed=0):
