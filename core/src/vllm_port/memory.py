@@ -494,8 +494,9 @@ def copy_across_tiers(
     per_chunk = max(1, chunk_bytes // max(1, src[0].numel() * src.element_size()))
     slot_blocks = min(per_chunk, len(order))
     slots = min(slots, -(-len(order) // slot_blocks))
-    with _on(local):  # a pageable index: the driver stages it before the call returns
-        device_index = torch.tensor([device_ids[i] for i in order]).to(device, non_blocking=True)
+    index = torch.tensor([device_ids[i] for i in order])
+    with _on(local):
+        device_index = (index.pin_memory() if link is not None else index).to(device, non_blocking=True)
         staging = torch.empty((slots * slot_blocks, *src.shape[1:]), dtype=src.dtype, device=device)
     chunks = range(0, len(order), slot_blocks)
     reusable: list[Any] = [None] * slots  # per slot: the event after which its last chunk is done with it
