@@ -105,6 +105,12 @@ def _version(dist: str) -> str:
 
 
 def _git() -> dict[str, Any]:
+    """The commit and dirty flag of the checkout the suite runs from; a runner that copies the tree
+    to another machine (where a stale or no ``.git`` may be) names the commit it sent in
+    ``VLLM_PORT_GIT_COMMIT``, which wins. The source digest ties either to the files."""
+    sent = os.environ.get(COMMIT_ENV, "").strip()
+    if sent:
+        return {"commit": sent, "dirty": "unknown", "from": f"{COMMIT_ENV}, set by the runner"}
     where = Path(__file__).resolve().parent
     git = shutil.which("git")
     if git is None:
@@ -119,17 +125,8 @@ def _git() -> dict[str, Any]:
     try:
         commit, status = run("rev-parse", "HEAD").strip(), run("status", "--porcelain")
     except (OSError, subprocess.SubprocessError):
-        return _git_from_env()
-    return {"commit": commit, "dirty": bool(status.strip())}
-
-
-def _git_from_env() -> dict[str, Any]:
-    """Outside a checkout (a copied tree on a test machine) the runner may name the commit it sent;
-    the report says where the commit came from, and the source digest ties it to the files."""
-    commit = os.environ.get(COMMIT_ENV, "").strip()
-    if not commit:
         return {"commit": "unknown", "dirty": "unknown"}
-    return {"commit": commit, "dirty": "unknown", "from": f"{COMMIT_ENV} (no git checkout here)"}
+    return {"commit": commit, "dirty": bool(status.strip())}
 
 
 def source_digest(plugin: str) -> dict[str, Any]:
