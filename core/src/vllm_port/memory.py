@@ -136,15 +136,16 @@ class HostMemoryAllocator(Allocator):
     """Host memory for the ``pinned_host`` tier (page-locked, so device copies run asynchronously)
     and the ``host`` tier (pageable). Free and total come from ``/proc/meminfo`` where it exists."""
 
-    def __init__(self, pinned: bool) -> None:
-        super().__init__("pinned host allocator" if pinned else "host allocator", "cpu")
+    def __init__(self, pinned: bool, meminfo: str = "/proc/meminfo", name: str | None = None) -> None:
+        super().__init__(name or ("pinned host allocator" if pinned else "host allocator"), "cpu")
         self.pinned = pinned
+        self._meminfo = meminfo
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def _mem_info(self) -> tuple[int, int]:
-        return host_memory()
+        return host_memory(self._meminfo)
 
 
 def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int, int]:
