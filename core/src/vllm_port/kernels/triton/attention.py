@@ -97,6 +97,75 @@ def _page_rows(
         return block.to(tl.int64), pos % BLOCK_SIZE
 
 
+@triton.jit
+def _attend_tile(
+    acc,  # [rows, HEAD_PAD] float32 running (unnormalised) output of the query rows
+    l_i,  # [rows] running softmax denominators
+    m_i,  # [rows] running maxima of the base-2 scores
+    q,  # [rows, HEAD_PAD] queries
+    q_pos,  # [rows] positions of the query rows in the sequence
+    start,  # first key position of the tile
+    offs_n,  # arange(0, BLOCK_N)
+    offs_d,  # arange(0, HEAD_PAD)
+    d_ok,  # offs_d < HEAD_SIZE
+    seq_len,
+    lo,  # lowest key position any query row sees: keys below it are not even loaded
+    sliding_window,
+    qk_scale,  # scores are qk * qk_scale, or with a soft cap tanh(qk * qk_scale) * s_scale
+    s_scale,
+    table,  # the sequence's block-table row
+    k_cache_ptr,
+    v_cache_ptr,
+    k_head,  # offset of the KV head in a cache row (int64)
+    v_head,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,  # the tile crosses the diagonal, the window edge or the sequence end
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One step of the online softmax over keys ``start .. start+BLOCK_N-1``: decode (the query
+    heads of one KV head, all at the last position) and prefill (a block of query rows) share it."""
+    k_pos = start + offs_n
+    key_ok = (k_pos < seq_len) & (k_pos >= lo)
+    if MASKED:
+        kv_mask = key_ok[:, None] & d_ok[None, :]  # other=0: slots past the sequence may hold NaN
+    else:
+        kv_mask = d_ok[None, :]
+    block, row = _page_rows(table, start, offs_n, seq_len, BLOCK_SIZE, PAGE_TILE, MASKED)
+    k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if USE_SOFT_CAP:
+        s = _tanh(s) * s_scale
+    if MASKED:
+        seen = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        if USE_WINDOW:
+            seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
+    if DOT_FP32:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
 # ------------------------------------------------------------------------------------------------
 # Decode
 # ------------------------------------------------------------------------------------------------
@@ -166,6 +235,7 @@ def _paged_decode_kernel(
     q = tl.load(q_ptrs, mask=head_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    s_scale = 1.0
     if USE_SOFT_CAP:  # s = soft_cap * tanh(scale * qk / soft_cap), in base 2
         qk_scale = scale / soft_cap
         s_scale = soft_cap * LOG2E
@@ -179,32 +249,13 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    for tile in range(tile_lo, tile_hi):
-        start = tile * BLOCK_N
-        pos = start + offs_n
-        key_ok = (pos < seq_len) & (pos >= lo)
-        kv_mask = key_ok[:, None] & d_ok[None, :]  # other=0: slots past the sequence may hold NaN
-        block, row = _page_rows(table, start, offs_n, seq_len, BLOCK_SIZE, PAGE_TILE, True)
-
-        k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        if USE_SOFT_CAP:
-            s = _tanh(s) * s_scale
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        # every tile in [tile_lo, tile_hi) holds a visible key, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
-        if DOT_FP32:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    q_pos = tl.zeros([GROUP_PAD], tl.int32) + (seq_len - 1)  # every query head sits at the last position
+    for tile in range(tile_lo, tile_hi):  # the prefill step, every tile masked (a one-row causal diagonal)
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
+            s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+            BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+        )  # fmt: skip
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l == 0 only for an empty sequence: output 0
@@ -256,73 +307,6 @@ def _merge_splits_kernel(
 # ------------------------------------------------------------------------------------------------
 # Prefill
 # ------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _prefill_tile(
-    acc,  # [BLOCK_M, HEAD_PAD] float32 running (unnormalised) output of the query rows
-    l_i,  # [BLOCK_M] running softmax denominators
-    m_i,  # [BLOCK_M] running maxima of the base-2 scores
-    q,  # [BLOCK_M, HEAD_PAD] queries
-    q_pos,  # [BLOCK_M] positions of the query rows in the sequence
-    start,  # first key position of the tile
-    offs_n,  # arange(0, BLOCK_N)
-    offs_d,  # arange(0, HEAD_PAD)
-    d_ok,  # offs_d < HEAD_SIZE
-    seq_len,
-    sliding_window,
-    qk_scale,  # scores are qk * qk_scale, or with a soft cap tanh(qk * qk_scale) * s_scale
-    s_scale,
-    table,  # the sequence's block-table row
-    k_cache_ptr,
-    v_cache_ptr,
-    k_head,  # offset of the KV head in a cache row (int64)
-    v_head,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    BLOCK_SIZE: tl.constexpr,
-    PAGE_TILE: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr,  # the tile crosses the diagonal, the window edge or the sequence end
-    DOT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """One step of the online softmax over keys ``start .. start+BLOCK_N-1``."""
-    k_pos = start + offs_n
-    key_ok = k_pos < seq_len
-    if MASKED:
-        kv_mask = key_ok[:, None] & d_ok[None, :]  # other=0: slots past the sequence may hold NaN
-    else:
-        kv_mask = d_ok[None, :]
-    block, row = _page_rows(table, start, offs_n, seq_len, BLOCK_SIZE, PAGE_TILE, MASKED)
-    k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-    if USE_SOFT_CAP:
-        s = _tanh(s) * s_scale
-    if MASKED:
-        seen = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        if USE_WINDOW:
-            seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
-    if DOT_FP32:
-        p, v = p.to(tl.float32), v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -412,20 +396,20 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         for tile in range(t_begin, u_begin):  # before the window edge (sliding window only)
-            acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, sliding_window, qk_scale,
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                 BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
             )  # fmt: skip
         for tile in range(u_begin, u_end):  # seen by every row: no mask
-            acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, sliding_window, qk_scale,
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                 BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, False, DOT_PRECISION, DOT_FP32,
             )  # fmt: skip
         for tile in range(u_end, t_end):  # the diagonal
-            acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, sliding_window, qk_scale,
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                 BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
             )  # fmt: skip
