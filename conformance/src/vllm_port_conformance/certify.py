@@ -135,18 +135,19 @@ def source_digest(plugin: str) -> dict[str, Any]:
     It ties a report to code where git cannot (a copied tree): anyone can compute it from a
     checkout with the packages installed and compare.
     """
-    packages = {"vllm_port", "vllm_port_conformance"}
-    packages |= {ep.module.split(".")[0] for ep in metadata.entry_points(group="vllm_port") if ep.name == plugin}
-    sha, files = hashlib.sha256(), 0
-    for package in sorted(packages):
+    wanted = {"vllm_port", "vllm_port_conformance"}
+    wanted |= {ep.module.split(".")[0] for ep in metadata.entry_points(group="vllm_port") if ep.name == plugin}
+    sha, files, hashed = hashlib.sha256(), 0, []
+    for package in sorted(wanted):
         spec = importlib.util.find_spec(package)
-        if spec is None or spec.origin is None:
+        if spec is None or spec.origin is None:  # not importable: not listed, so the report does not claim it
             continue
         root = Path(spec.origin).parent
         for path in sorted(root.rglob("*.py")):
             sha.update(f"{package}/{path.relative_to(root).as_posix()}".encode() + b"\0" + path.read_bytes() + b"\0")
             files += 1
-    return {"packages": sorted(packages), "files": files, "sha256": sha.hexdigest()}
+        hashed.append(package)
+    return {"packages": hashed, "files": files, "sha256": sha.hexdigest()}
 
 
 def _fingerprint(record) -> dict[str, Any]:

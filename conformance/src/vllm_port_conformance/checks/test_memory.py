@@ -7,7 +7,7 @@ import unittest
 import pytest
 import torch
 
-from vllm_port.memory import KVCache, KVLayout, MemoryContractError, OutOfMemoryError
+from vllm_port.memory import KVLayout, MemoryContractError, OutOfMemoryError
 from vllm_port_conformance.pool_machine import pool_machine
 
 
@@ -91,22 +91,12 @@ class TestBlockPoolInvariants:
         assert not problems, problems[0][1]
 
 
-def _tier_tensor(plugin, tier: str, like: torch.Tensor) -> torch.Tensor:
-    if tier == "device":
-        return torch.zeros_like(like, device=plugin.device)
-    if tier == "pinned_host":
-        return torch.zeros(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
-    if tier == "host":
-        return torch.zeros(like.shape, dtype=like.dtype, device="cpu")
-    pytest.fail(f"memory tier {tier!r} is not one the conformance suite knows (device, pinned_host, host)")
-
-
 def test_migration_round_trip_is_bit_exact_between_tiers(plugin):
+    """One layer's key cache to the same layer's cache in every tier (its own allocator) and back."""
     runtime = plugin.runtime()
     migrator = runtime.migrator()
-    alloc = runtime.allocator()
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16)
-    kv = KVCache(alloc, layout, 16 * layout.block_bytes)
+    kv = runtime.kv_cache(layout, 16 * layout.block_bytes)
     try:
         cache = kv.key_caches[0]
         bits = torch.randint(
@@ -116,17 +106,21 @@ def test_migration_round_trip_is_bit_exact_between_tiers(plugin):
         original = cache.view(torch.int16).cpu().clone()
         blocks = kv.pool.allocate(4)
         for tier in runtime.platform.memory_tiers:
-            other = _tier_tensor(plugin, tier, cache[:8])
-            out = migrator.copy_blocks(cache, other, torch.tensor([[b, i] for i, b in enumerate(blocks)]))
-            out.wait()
-            for b in blocks:
-                cache[b].zero_()
-            back = migrator.copy_blocks(other, cache, torch.tensor([[i, b] for i, b in enumerate(blocks)]))
-            back.wait()
-            assert back.done()
-            got = cache.view(torch.int16).cpu()
-            for b in blocks:
-                assert torch.equal(got[b], original[b]), f"block {b} changed in a round trip through tier {tier!r}"
+            other_kv = runtime.kv_cache(layout, 8 * layout.block_bytes, tier=tier)
+            try:
+                other = other_kv.key_caches[0]
+                out = migrator.copy_blocks(cache, other, torch.tensor([[b, i] for i, b in enumerate(blocks)]))
+                out.wait()
+                for b in blocks:
+                    cache[b].zero_()
+                back = migrator.copy_blocks(other, cache, torch.tensor([[i, b] for i, b in enumerate(blocks)]))
+                back.wait()
+                assert back.done()
+                got = cache.view(torch.int16).cpu()
+                for b in blocks:
+                    assert torch.equal(got[b], original[b]), f"block {b} changed in a round trip through tier {tier!r}"
+            finally:
+                other_kv.close()
         kv.pool.free(blocks)
     finally:
         kv.close()
