@@ -71,12 +71,57 @@ def graph_median_ms(
     return median_ms(replay, device, warmup=2, repeat=repeat) / calls
 
 
+#: Bytes written between two cold-cache samples: several times the last-level cache of current
+#: accelerators (50 MiB on an H100/H200, 256 MiB of Infinity Cache on an MI300X).
+FLUSH_BYTES = 512 << 20
+
+
+def cold_median_ms(fn: Callable[[], Any], device: torch.device, repeat: int = 25, warmup: int = 3) -> float:
+    """Median time of one call of ``fn`` with the caches flushed before each call (as triton's ``do_bench``).
+
+    Each sample writes :data:`FLUSH_BYTES` (64 MiB on CPU) first, so ``fn`` reads its inputs from
+    memory, not from a cache the previous call warmed; on an accelerator the call alone is timed
+    with device events, on CPU with the wall clock.
+    """
+    flush = torch.empty(FLUSH_BYTES // 4 if device.type != "cpu" else (64 << 20) // 4, device=device)
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        flush.zero_()
+        if device.type == "cpu":
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+            continue
+        begin, end = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end))
+    return statistics.median(samples)
+
+
 def copy_bandwidth_gbs(device: torch.device, nbytes: int) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device)
     return 2 * src.numel() * 4 / ms / 1e6
+
+
+def read_bandwidth_gbs(device: torch.device, nbytes: int) -> float:
+    """Read-only stream bandwidth in GB/s: a sum over ``nbytes`` of float32, which writes next to nothing.
+
+    A copy pays for turning the bus around between reads and writes; a kernel that mostly reads
+    (decode attention, a norm's weight-free reduction) can go past the copy rate, so memory-bound
+    rows are judged against both.
+    """
+    src = torch.randn(nbytes // 4, device=device)
+    out = torch.empty((), device=device)
+    ms = median_ms(lambda: torch.sum(src, dim=0, out=out), device)
+    return src.numel() * 4 / ms / 1e6
 
 
 def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype) -> float:

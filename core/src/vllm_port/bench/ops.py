@@ -2,8 +2,11 @@
 
 For each op and token count, one run times: each provider the selected platform has (the
 reference included), the reference compiled by Inductor, and, for prefill attention, torch's
-SDPA flash path. Memory-bound ops are reported as achieved bandwidth against the device's measured
-copy bandwidth; prefill attention and linear as TFLOP/s against the measured matrix-product rate.
+SDPA flash path. Memory-bound ops are reported as achieved bandwidth against two ceilings measured
+in the same run, a copy and a read-only stream (reads alone go faster than a copy); prefill
+attention and linear as TFLOP/s against the measured matrix-product rate. Every row has two times:
+``ms`` with warm caches (graph replays or batches of launches, as a decode step runs), and
+``cold_ms`` with the caches flushed before each call.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 import vllm_port
 from vllm_port.ops import make_cos_sin_cache
 
-from ._timing import copy_bandwidth_gbs, graph_median_ms, matmul_tflops, median_ms
+from ._timing import cold_median_ms, copy_bandwidth_gbs, graph_median_ms, matmul_tflops, median_ms, read_bandwidth_gbs
 
 HIDDEN, HEADS, KV_HEADS, HEAD, INTER, VOCAB, BLOCK = 4096, 32, 8, 128, 14336, 128256, 16
 CONTEXT = 4096  # decode attention: every sequence has this many cached tokens
@@ -170,6 +173,7 @@ def run(
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
         "copy_gbs": copy_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 1 << 27),
+        "read_gbs": read_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 1 << 27),
         "matmul_tflops": matmul_tflops(dev, 8192 if dev.type != "cpu" else 1024, dtype),
         "rows": [],
     }
@@ -188,13 +192,15 @@ def run(
                         {"op": op, "tokens": tokens, "impl": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
                     )
                     continue
-                row = {"op": op, "tokens": tokens, "impl": name, "ms": ms, "timing": timing}
+                cold = cold_median_ms(lambda fn=fn, args=work.args: fn(*args), dev, repeat=25 if ms < 5 else 5)
+                row = {"op": op, "tokens": tokens, "impl": name, "ms": ms, "timing": timing, "cold_ms": cold}
                 if op in COMPUTE_BOUND:
                     row["tflops"] = work.flops / ms / 1e9
                     row["fraction"] = row["tflops"] / result["matmul_tflops"]
                 else:
                     row["gbs"] = work.nbytes / ms / 1e6
                     row["fraction"] = row["gbs"] / result["copy_gbs"]
+                    row["fraction_of_read"] = row["gbs"] / result["read_gbs"]
                 result["rows"].append(row)
                 print(_format_row(row), flush=True)
         if json_path:  # a run cut short still leaves every finished op on disk
@@ -207,8 +213,9 @@ def _format_row(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"{row['op']:<20}{row['tokens']:>7}  {row['impl']:<28} error: {row['error'][:80]}"
     rate = f"{row['tflops']:8.1f} TFLOP/s" if "tflops" in row else f"{row['gbs']:8.0f} GB/s   "
-    timing = f"{row['ms'] * 1e3:>11.1f} us {rate} {row['fraction']:7.1%}  ({row['timing']})"
-    return f"{row['op']:<20}{row['tokens']:>7}  {row['impl']:<28}{timing}"
+    of_read = f"{row['fraction_of_read']:7.1%}" if "fraction_of_read" in row else " " * 7
+    timing = f"{row['ms'] * 1e3:>11.1f} us {rate} {row['fraction']:7.1%} {of_read} {row['cold_ms'] * 1e3:>11.1f} us"
+    return f"{row['op']:<20}{row['tokens']:>7}  {row['impl']:<28}{timing}  ({row['timing']})"
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -246,10 +253,12 @@ def main(
 ) -> int:
     """Run, print the table, and write the JSON and the plot when asked."""
     dtype = getattr(torch, dtype_name)
-    print(f"{'op':<20}{'tokens':>7}  {'implementation':<28}{'time':>14} {'rate':>15} {'of ceiling':>8}")
+    header = f"{'time':>14} {'rate':>15} {'of copy':>7} {'of read':>7} {'cold (L2 flushed)':>14}"
+    print(f"{'op':<20}{'tokens':>7}  {'implementation':<28}{header}")
     result = run(device, dtype, ops.split(",") if ops else None, max_tokens, json_path)
     print(
-        f"ceilings on {result['device']}: copy {result['copy_gbs']:.0f} GB/s, matmul {result['matmul_tflops']:.1f} TFLOP/s ({result['dtype']})"
+        f"ceilings on {result['device']}: copy {result['copy_gbs']:.0f} GB/s, read {result['read_gbs']:.0f} GB/s, "
+        f"matmul {result['matmul_tflops']:.1f} TFLOP/s ({result['dtype']})"
     )
     if plot_path:
         plot(result, plot_path)
