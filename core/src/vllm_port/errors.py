@@ -11,6 +11,7 @@ __all__ = [
     "CommShapeMismatchError",
     "CommTimeoutError",
     "MemoryContractError",
+    "ModelLoadError",
     "OpInputError",
     "PluginError",
     "ProviderRejectedError",
@@ -69,3 +70,11 @@ class CommInitError(CommError):
 
 class MemoryContractError(VllmPortError):
     """A memory call broke the contract: bad size, double free, a buffer or block this owner did not make."""
+
+
+class ModelLoadError(VllmPortError, ValueError):
+    """A model directory cannot be loaded; the message names the file and the field or tensor, and what was expected.
+
+    Raised for a missing or corrupt file, an unsupported architecture, rope scaling or dtype, and a
+    config field or weight that disagrees with what the model needs.
+    """

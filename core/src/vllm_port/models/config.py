@@ -1,0 +1,284 @@
+"""A model's ``config.json``, as Hugging Face writes it, read into one checked :class:`ModelConfig`.
+
+Both spellings transformers has used are read: ``rope_theta`` + ``rope_scaling`` with ``torch_dtype``
+(4.x), and ``rope_parameters`` with ``dtype`` (5.x). Every field is type-checked; a missing or
+wrong one, an architecture or rope scaling this package does not run, is a :class:`ModelLoadError`
+naming the file, the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ..errors import ModelLoadError
+
+__all__ = ["ROPE_TYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "load_config"]
+
+#: The ``architectures`` one flat definition (:class:`~vllm_port.models.llama.LlamaModel`) serves.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+#: The rope types understood: plain RoPE and Llama 3.1's frequency-dependent scaling.
+ROPE_TYPES = ("default", "llama3")
+_REQUIRED = object()  # marks a field without a default
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the flat Llama-family model needs to know about a checkpoint.
+
+    Attributes:
+        architecture: one of :data:`SUPPORTED_ARCHITECTURES`.
+        head_size: ``head_dim`` from the config, else ``hidden_size // num_heads``.
+        rope_scaling: ``None`` for plain RoPE, else the scaling parameters with ``"rope_type"`` set
+            (``"llama3"``: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+            ``original_max_position_embeddings``); read-only.
+        attention_bias: q/k/v projections carry a bias (always for Qwen2; Llama's ``attention_bias``,
+            which also gives ``o_proj`` one, see :attr:`o_proj_bias`).
+        sliding_window: keys a query may see at most (Mistral's window); 0 = the whole context.
+        dtype: the checkpoint's dtype (``torch_dtype``/``dtype``), not necessarily the one it runs in.
+        eos_token_ids: end-of-sequence ids of ``config.json`` and ``generation_config.json``, in that order.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Mapping[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection: ``num_heads * head_size``."""
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection: ``num_kv_heads * head_size``."""
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether ``o_proj`` has a bias: Llama's ``attention_bias`` covers it, Qwen2's biases stop at q/k/v."""
+        return self.attention_bias and self.architecture == "LlamaForCausalLM"
+
+
+class _Fields:
+    """Typed reads of one JSON object, each failure a ``ModelLoadError`` naming the file and the field."""
+
+    def __init__(self, path: Path, raw: Mapping[str, Any], prefix: str = "") -> None:
+        self.path, self.raw, self.prefix = path, raw, prefix
+
+    def fail(self, name: str, expected: str) -> ModelLoadError:
+        if name not in self.raw:
+            return ModelLoadError(f"{self.path}: field '{self.prefix}{name}' is missing; expected {expected}")
+        value = self.raw[name]
+        return ModelLoadError(
+            f"{self.path}: field '{self.prefix}{name}' is {value!r} ({type(value).__name__}); expected {expected}"
+        )
+
+    def get_int(self, name: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
+        """The field as an int >= ``minimum``; absent or null gives ``default`` (``None`` allowed), else fails."""
+        value = self.raw.get(name)
+        if value is None and default is not _REQUIRED:
+            return default
+        if value is None or isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(name, f"an int >= {minimum}")
+        return value
+
+    def get_float(self, name: str, default: float | None = None) -> float:
+        """The field as a positive finite float; absent gives ``default``, or fails without one."""
+        value = self.raw.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self.fail(name, "a positive finite number")
+        return float(value)
+
+    def get_bool(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name, default)
+        if not isinstance(value, bool):
+            raise self.fail(name, "true or false")
+        return value
+
+    def get_str(self, name: str, default: str) -> str:
+        value = self.raw.get(name, default)
+        if not isinstance(value, str):
+            raise self.fail(name, "a string")
+        return value
+
+    def token_ids(self, name: str) -> tuple[int, ...]:
+        value = self.raw.get(name)
+        values = [] if value is None else value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise self.fail(name, "a token id (int >= 0), a list of them, or null")
+        return tuple(values)
+
+
+def _read_json(path: Path, what: str) -> Mapping[str, Any]:
+    try:
+        with path.open(encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(
+            f"{path}: no {what}; a Hugging Face model directory holds config.json beside its safetensors weights"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read {what} as JSON ({exc}); re-download or re-save it") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: {what} holds a {type(raw).__name__}; expected a JSON object")
+    return raw
+
+
+def _architecture(fields: _Fields) -> str:
+    names = fields.raw.get("architectures")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise fields.fail("architectures", f"a list naming one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if names[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{fields.path}: architecture {names[0]!r} (field 'architectures') is not supported; "
+            f"vllm-port runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return names[0]
+
+
+def _checkpoint_dtype(fields: _Fields) -> torch.dtype:
+    name = "dtype" if "dtype" in fields.raw else "torch_dtype"
+    value = fields.raw.get(name, "float32")  # transformers' own default when the field is absent
+    dtype = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise fields.fail(name, "a floating-point dtype name such as 'bfloat16', 'float16' or 'float32'")
+    return dtype
+
+
+def _rope(fields: _Fields) -> tuple[float, Mapping[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    key = "rope_parameters" if fields.raw.get("rope_parameters") is not None else "rope_scaling"
+    params = fields.raw.get(key)
+    if params is None:
+        return fields.get_float("rope_theta", 10000.0), None
+    if not isinstance(params, dict):
+        raise fields.fail(key, "an object of rope parameters or null")
+    sub = _Fields(fields.path, params, prefix=f"{key}.")
+    theta = sub.get_float("rope_theta", fields.raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{fields.path}: rope scaling type {rope_type!r} (field {key!r}) is not supported; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    scaling: dict[str, Any] = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = rope_type
+    for name in _LLAMA3_KEYS[:3]:
+        scaling[name] = sub.get_float(name)
+    scaling["original_max_position_embeddings"] = sub.get_int("original_max_position_embeddings")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise sub.fail("high_freq_factor", f"a number above low_freq_factor ({scaling['low_freq_factor']})")
+    return theta, MappingProxyType(scaling)
+
+
+def _sliding_window(fields: _Fields, architecture: str, num_layers: int) -> int:
+    if architecture == "MistralForCausalLM":
+        return fields.get_int("sliding_window", 0, minimum=0)
+    if architecture != "Qwen2ForCausalLM" or not fields.get_bool("use_sliding_window", False):
+        return 0
+    # Qwen2 slides only in the layers at or above max_window_layers (layer_types spells it out in transformers 5)
+    window = fields.get_int("sliding_window")
+    types = fields.raw.get("layer_types")
+    if types is None:
+        first = fields.get_int("max_window_layers", 28, minimum=0)  # transformers' default
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise fields.fail("layer_types", f"a list of {num_layers} layer types")
+    if all(t == "full_attention" for t in types):
+        return 0
+    if all(t == "sliding_attention" for t in types):
+        return window
+    raise ModelLoadError(
+        f"{fields.path}: fields 'use_sliding_window'/'layer_types' ask for a sliding window in some layers only "
+        f"({types}); the flat model applies one window to every layer: set use_sliding_window to false"
+    )
+
+
+def _refuse_unsupported(fields: _Fields, architecture: str) -> None:
+    if fields.raw.get("quantization_config") is not None:
+        raise ModelLoadError(
+            f"{fields.path}: field 'quantization_config' marks a quantized checkpoint, which vllm-port does not "
+            "load; use the unquantized (bfloat16/float16/float32) weights"
+        )
+    if fields.get_str("hidden_act", "silu") != "silu":
+        raise fields.fail("hidden_act", "'silu' (the gated MLP of Llama-family models)")
+    if architecture == "LlamaForCausalLM" and fields.get_bool("mlp_bias", False):
+        raise fields.fail("mlp_bias", "false (MLP biases are not supported)")
+
+
+def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
+    """Read and check ``config.json`` (and ``generation_config.json``'s end-of-sequence ids) of ``model_dir``.
+
+    :raises ModelLoadError: for a missing or unreadable file, an unsupported architecture or rope
+        scaling, or a field that is missing or of the wrong type or value; the message names the field.
+    """
+    path = Path(model_dir) / "config.json"
+    fields = _Fields(path, _read_json(path, "config.json"))
+    architecture = _architecture(fields)
+    _refuse_unsupported(fields, architecture)
+    hidden, heads = fields.get_int("hidden_size"), fields.get_int("num_attention_heads")
+    kv_heads = fields.get_int("num_key_value_heads", heads)
+    head_size = fields.get_int("head_dim", None)
+    if head_size is None:
+        if hidden % heads:
+            raise fields.fail("num_attention_heads", f"a divisor of hidden_size {hidden} (or set head_dim)")
+        head_size = hidden // heads
+    if heads % kv_heads:
+        raise fields.fail("num_key_value_heads", f"a divisor of num_attention_heads {heads}")
+    if head_size % 2:
+        raise fields.fail("head_dim", "an even head size (rotary embedding rotates pairs of features)")
+    num_layers = fields.get_int("num_hidden_layers")
+    rope_theta, rope_scaling = _rope(fields)
+    eos = fields.token_ids("eos_token_id")
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.exists():
+        more = _Fields(generation, _read_json(generation, "generation_config.json")).token_ids("eos_token_id")
+        eos += tuple(t for t in more if t not in eos)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=fields.get_int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=fields.get_int("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
+        rms_norm_eps=fields.get_float("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=fields.get_int("max_position_embeddings"),
+        tie_word_embeddings=fields.get_bool("tie_word_embeddings", False),
+        attention_bias={"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(
+            architecture, fields.get_bool("attention_bias", False)
+        ),
+        sliding_window=_sliding_window(fields, architecture, num_layers),
+        dtype=_checkpoint_dtype(fields),
+        bos_token_id=fields.get_int("bos_token_id", None, minimum=0),
+        eos_token_ids=eos,
+    )

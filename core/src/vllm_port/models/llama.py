@@ -1,0 +1,248 @@
+"""Llama 2/3/3.1, Qwen2 and Mistral as one flat model: a loop over layers calling the bound contract ops.
+
+There is no module tree. ``forward`` reads top to bottom as the decoder computes: embedding, then per
+layer RMSNorm, fused q/k/v projection, rotary embedding, cache write, paged attention, output
+projection, residual add, RMSNorm, gated MLP, residual add. It is written in the plain form on
+purpose: ``residual = x + residual`` followed by ``rms_norm`` and ``silu(gate) * up`` are left for
+the compile backend's fusion passes to find, rather than pre-fused by hand. The families differ only
+in data: Qwen2's q/k/v biases go through ``linear``'s bias, tied embeddings reuse the embedding as
+the LM head, Mistral's sliding window is an argument of the attention ops. No device is named here:
+tensors live wherever the weights were loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ModelLoadError
+from ..ops import BoundOps
+from .config import ModelConfig, load_config
+from .loader import check_dtype, expected_weights, load_weights
+
+__all__ = ["AttentionMetadata", "LlamaModel", "load_model", "rope_cos_sin_cache", "rope_inverse_frequencies"]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged KV cache and which cached tokens each sequence attends to.
+
+    Attributes:
+        slot_mapping: int64 ``[num_tokens]``: the cache slot of each token; -1 marks a padding token (not written).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``: each sequence's cache blocks in order.
+        seq_lens: int32 ``[num_seqs]``: tokens in the cache including this step's; 0 marks a padding sequence.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``: offsets of each sequence's query tokens in the packed batch.
+        max_query_len: the most query tokens any sequence has in this step.
+        is_decode: every sequence has exactly one query token: ``paged_attention`` serves the step,
+            else ``prefill_attention`` (which also takes a cached prefix: chunked prefill, prefix hits).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_query_len: int
+    is_decode: bool
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """RoPE's ``head_size / 2`` inverse frequencies in float64, with Llama 3.1's scaling when the config asks.
+
+    Llama 3.1 leaves frequencies whose wavelength fits ``high_freq_factor`` times into the original
+    context alone, divides those fitting fewer than ``low_freq_factor`` times by ``factor``, and
+    blends linearly (in periods per original context) between the two.
+    """
+    dim = config.head_size
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    periods = scaling["original_max_position_embeddings"] * inv_freq / (2 * math.pi)  # context / wavelength
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    keep = ((periods - low) / (high - low)).clamp(0.0, 1.0)  # 1: high frequency, kept; 0: low, scaled down
+    return keep * inv_freq + (1.0 - keep) * inv_freq / scaling["factor"]
+
+
+def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """The ``rotary_embedding`` table: float32 ``[max_position_embeddings, head_size]``, cosines then sines."""
+    angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None]
+    angles = angles * rope_inverse_frequencies(config)[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's tensors; q/k/v and gate/up fused so each is one ``linear``."""
+
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+    next_norm: torch.Tensor  # the norm after this layer's MLP: the next layer's input norm, or the final norm
+
+
+class LlamaModel:
+    """Llama 2/3/3.1, Qwen2 and Mistral from one flat definition.
+
+    :param weights: tensors by Hugging Face name (see :func:`~vllm_port.models.loader.expected_weights`),
+        all of one dtype on one device; the model runs where they are.
+    :param consume: remove each tensor from ``weights`` (a dict) once the model holds it, so that
+        the unfused q/k/v and gate/up parts are freed layer by layer while fusing: peak memory
+        stays one model plus one layer. :func:`load_model` does this.
+    :raises ModelLoadError: for a missing tensor, a shape that disagrees with ``config``, or mixed
+        dtypes or devices.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *, consume: bool = False) -> None:
+        self.config = config
+        _check_weights(config, weights)
+        take = weights.pop if consume and isinstance(weights, MutableMapping) else weights.__getitem__
+        self.embed_tokens = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
+        norms = [take(f"model.layers.{i}.input_layernorm.weight") for i in range(config.num_layers)]
+        next_norms = [*norms[1:], self.final_norm]
+        self.layers = [self._layer(take, i, norms[i], next_norms[i]) for i in range(config.num_layers)]
+        self.cos_sin_cache = rope_cos_sin_cache(config, self.embed_tokens.device)
+        self.scale = config.head_size**-0.5
+
+    def _layer(
+        self, take: Callable[[str], torch.Tensor], i: int, input_norm: torch.Tensor, next_norm: torch.Tensor
+    ) -> _Layer:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+
+        def fuse(*names: str) -> torch.Tensor:
+            return torch.cat([take(name) for name in names])
+
+        qkv = [attn + f"{x}_proj." for x in "qkv"]
+        return _Layer(
+            input_norm=input_norm,
+            qkv_weight=fuse(*(n + "weight" for n in qkv)),
+            qkv_bias=fuse(*(n + "bias" for n in qkv)) if self.config.attention_bias else None,
+            o_weight=take(attn + "o_proj.weight"),
+            o_bias=take(attn + "o_proj.bias") if self.config.o_proj_bias else None,
+            post_attention_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up_weight=fuse(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            down_weight=take(mlp + "down_proj.weight"),
+            next_norm=next_norm,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model runs in (its weights')."""
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device the weights are on."""
+        return self.embed_tokens.device
+
+    def forward(
+        self,
+        ops: BoundOps,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, ``[num_tokens, hidden_size]``, for a packed batch of tokens.
+
+        :param ops: ops bound for the model's dtype on the platform holding it.
+        :param input_ids: int ``[num_tokens]``, the tokens of every sequence one after the other.
+        :param positions: int ``[num_tokens]``, each token's position in its sequence.
+        :param kv_caches: per layer ``(key_cache, value_cache)``, each
+            ``[num_blocks, block_size, num_kv_heads, head_size]``; this step's keys and values are written in.
+        """
+        eps = self.config.rms_norm_eps
+        residual = ops.embedding(input_ids, self.embed_tokens)
+        hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            residual = self._attention(ops, layer, hidden, positions, kv_cache, meta) + residual
+            hidden = ops.rms_norm(residual, layer.post_attention_norm, eps)
+            residual = self._mlp(ops, layer, hidden) + residual
+            hidden = ops.rms_norm(residual, layer.next_norm, eps)
+        return hidden
+
+    def _attention(
+        self,
+        ops: BoundOps,
+        layer: _Layer,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        c = self.config
+        qkv = ops.linear(hidden, layer.qkv_weight, layer.qkv_bias)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        ops.rotary_embedding(positions, q, k, c.head_size, self.cos_sin_cache, True)  # HF rotates halves: NeoX
+        q = q.unflatten(-1, (c.num_heads, c.head_size))  # views: [tokens, heads, head_size]
+        k = k.unflatten(-1, (c.num_kv_heads, c.head_size))
+        v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = ops.paged_attention(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale, c.sliding_window
+            )
+        else:
+            out = ops.prefill_attention(
+                q,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                meta.max_query_len,
+                self.scale,
+                c.sliding_window,
+            )
+        return ops.linear(out.flatten(-2), layer.o_weight, layer.o_bias)
+
+    def _mlp(self, ops: BoundOps, layer: _Layer, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = ops.linear(hidden, layer.gate_up_weight).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        return ops.linear(act, layer.down_weight)
+
+    def compute_logits(self, ops: BoundOps, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab_size]`` of hidden states ``[n, hidden_size]`` (the LM head, or the tied embedding)."""
+        return ops.linear(hidden, self.lm_head)
+
+
+def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    specs = expected_weights(config)
+    first = weights.get("model.embed_tokens.weight")
+    for name, spec in specs.items():
+        tensor = weights.get(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise ModelLoadError(f"weights: tensor {name!r} is missing; {config.architecture} needs it ({spec.why})")
+        if tuple(tensor.shape) != spec.shape:
+            raise ModelLoadError(
+                f"weights: tensor {name!r} has shape {list(tensor.shape)}; the config implies {list(spec.shape)} ({spec.why})"
+            )
+        if first is not None and (tensor.dtype != first.dtype or tensor.device != first.device):
+            raise ModelLoadError(
+                f"weights: tensor {name!r} is {tensor.dtype} on {tensor.device} but the embedding is {first.dtype} "
+                f"on {first.device}; load every weight in one dtype on one device"
+            )
+    check_dtype(first.dtype)
+
+
+def load_model(model_dir: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LlamaModel:
+    """Read ``config.json``, stream the safetensors weights to ``device`` in ``dtype``, and build the model.
+
+    :raises ModelLoadError: for anything in the directory the model cannot run (see
+        :func:`~vllm_port.models.config.load_config` and :func:`~vllm_port.models.loader.load_weights`).
+    """
+    config = load_config(model_dir)
+    weights = load_weights(model_dir, config, device, dtype)
+    return LlamaModel(config, weights, consume=True)

@@ -1,0 +1,214 @@
+"""Weights from a local Hugging Face directory: safetensors only, checked first, then streamed to the device.
+
+Loading runs in two passes. The first reads only the safetensors headers (names, shapes, dtypes)
+and checks that every tensor the config implies is there with the right shape and a float dtype;
+any problem is a :class:`ModelLoadError` raised before one byte of weights moves. The second pass
+opens one shard at a time and moves its tensors one by one to the device in the target dtype, so
+host memory holds one tensor, never the model (the file itself is memory-mapped, not read whole).
+
+Pickled checkpoints (``.bin``, ``.pt``) are never opened: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import ModelLoadError
+from ..ops import FLOAT_DTYPES
+from .config import ModelConfig
+
+__all__ = ["WeightSpec", "expected_weights", "load_weights"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+#: A safetensors header: tensor name -> (shape, dtype tag).
+_Header = dict[str, tuple[tuple[int, ...], str]]
+#: safetensors dtype tags of floating-point tensors; anything else (I8, U8, F8_*) is a quantized checkpoint.
+_FLOAT_TAGS = ("F64", "F32", "BF16", "F16")
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One tensor the model needs: its shape, and how the config implies it (for error messages)."""
+
+    shape: tuple[int, ...]
+    why: str
+
+
+def expected_weights(config: ModelConfig) -> dict[str, WeightSpec]:
+    """Every tensor the flat model reads, by Hugging Face name, with the shape ``config`` implies."""
+    c = config
+    hidden = f"hidden_size={c.hidden_size}"
+    q = f"num_attention_heads={c.num_heads} * head_dim={c.head_size}"
+    kv = f"num_key_value_heads={c.num_kv_heads} * head_dim={c.head_size}"
+    mlp = f"intermediate_size={c.intermediate_size}"
+    specs = {"model.embed_tokens.weight": WeightSpec((c.vocab_size, c.hidden_size), f"[vocab_size, {hidden}]")}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        specs[p + "input_layernorm.weight"] = WeightSpec((c.hidden_size,), f"[{hidden}]")
+        specs[p + "self_attn.q_proj.weight"] = WeightSpec((c.q_size, c.hidden_size), f"[{q}, {hidden}]")
+        specs[p + "self_attn.k_proj.weight"] = WeightSpec((c.kv_size, c.hidden_size), f"[{kv}, {hidden}]")
+        specs[p + "self_attn.v_proj.weight"] = WeightSpec((c.kv_size, c.hidden_size), f"[{kv}, {hidden}]")
+        if c.attention_bias:
+            specs[p + "self_attn.q_proj.bias"] = WeightSpec((c.q_size,), f"[{q}]")
+            specs[p + "self_attn.k_proj.bias"] = WeightSpec((c.kv_size,), f"[{kv}]")
+            specs[p + "self_attn.v_proj.bias"] = WeightSpec((c.kv_size,), f"[{kv}]")
+        specs[p + "self_attn.o_proj.weight"] = WeightSpec((c.hidden_size, c.q_size), f"[{hidden}, {q}]")
+        if c.o_proj_bias:
+            specs[p + "self_attn.o_proj.bias"] = WeightSpec((c.hidden_size,), f"[{hidden}]")
+        specs[p + "post_attention_layernorm.weight"] = WeightSpec((c.hidden_size,), f"[{hidden}]")
+        specs[p + "mlp.gate_proj.weight"] = WeightSpec((c.intermediate_size, c.hidden_size), f"[{mlp}, {hidden}]")
+        specs[p + "mlp.up_proj.weight"] = WeightSpec((c.intermediate_size, c.hidden_size), f"[{mlp}, {hidden}]")
+        specs[p + "mlp.down_proj.weight"] = WeightSpec((c.hidden_size, c.intermediate_size), f"[{hidden}, {mlp}]")
+    specs["model.norm.weight"] = WeightSpec((c.hidden_size,), f"[{hidden}]")
+    if not c.tie_word_embeddings:
+        specs["lm_head.weight"] = WeightSpec((c.vocab_size, c.hidden_size), f"[vocab_size, {hidden}]")
+    return specs
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    """Refuse a target dtype the contract ops do not run (they are defined for float32, bfloat16, float16)."""
+    if dtype not in FLOAT_DTYPES:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in FLOAT_DTYPES))
+        raise ModelLoadError(
+            f"dtype {dtype} cannot run: the ops every platform binds are defined for {names}; load in one of them"
+        )
+
+
+def _checkpoint_files(model_dir: Path) -> dict[str, Path] | list[Path]:
+    """The index's tensor -> file map when the checkpoint is sharded with an index, else its safetensors files."""
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
+    index = model_dir / _INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: cannot read the shard index ({exc}); re-download or re-save it") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelLoadError(f"{index}: field 'weight_map' must map tensor names to shard file names")
+        return {name: model_dir / file for name, file in weight_map.items()}
+    if (model_dir / _SINGLE).exists():
+        return [model_dir / _SINGLE]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if found:
+        return found
+    pickled = sorted(p.name for pattern in _PICKLED for p in model_dir.glob(pattern))
+    if pickled:
+        raise ModelLoadError(
+            f"{model_dir}: only pickled checkpoints ({', '.join(pickled)}), which vllm-port never loads "
+            "(unpickling runs arbitrary code). Convert them once, on a machine where you trust the files: "
+            'python -c "from transformers import AutoModelForCausalLM as M; '
+            f"M.from_pretrained('{model_dir}').save_pretrained('OUT_DIR')\" (writes safetensors), then load OUT_DIR"
+        )
+    raise ModelLoadError(
+        f"{model_dir}: no weights: expected {_SINGLE}, or shards with {_INDEX}; the directory holds "
+        f"{', '.join(sorted(p.name for p in model_dir.iterdir())) or 'nothing'}"
+    )
+
+
+def _read_header(path: Path) -> _Header:
+    """Name -> (shape, dtype tag) of every tensor in one safetensors file, reading only its header."""
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: the weight file is missing; re-download the checkpoint")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in slices.items()}
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(
+            f"{path}: not a readable safetensors file, corrupt or truncated ({exc}); re-download or re-save it"
+        ) from exc
+
+
+def _locate(model_dir: Path, needed: Collection[str]) -> tuple[dict[Path, list[str]], dict[Path, _Header]]:
+    """File -> the needed tensors it holds, and every read header; a needed tensor found nowhere is an error."""
+    files = _checkpoint_files(model_dir)
+    headers: dict[Path, _Header] = {}
+    where: dict[str, Path] = {}
+    if isinstance(files, dict):  # sharded with an index: the index says where, the shard's header what
+        unindexed = [name for name in needed if name not in files]
+        _refuse_missing(model_dir, unindexed, f"the index {_INDEX}")
+        for name in needed:
+            where[name] = files[name]
+        for path in sorted(set(where.values())):
+            headers[path] = _read_header(path)
+            absent = [name for name in needed if where[name] == path and name not in headers[path]]
+            _refuse_missing(model_dir, absent, f"{path.name}, where {_INDEX} places them")
+    else:
+        for path in files:
+            headers[path] = _read_header(path)
+            for name in headers[path]:
+                where.setdefault(name, path)
+        _refuse_missing(model_dir, [name for name in needed if name not in where], ", ".join(p.name for p in files))
+    by_file: dict[Path, list[str]] = {path: [] for path in sorted(set(where[name] for name in needed))}
+    for name in needed:
+        by_file[where[name]].append(name)
+    return by_file, headers
+
+
+def _refuse_missing(model_dir: Path, missing: list[str], searched: str) -> None:
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(
+            f"{model_dir}: tensor(s) {shown} missing from {searched}; config.json implies them: the checkpoint "
+            "is incomplete or of another model"
+        )
+
+
+def _check_tensors(by_file: dict[Path, list[str]], headers: dict[Path, _Header], specs: dict[str, WeightSpec]) -> None:
+    for path, names in by_file.items():
+        for name in names:
+            shape, tag = headers[path][name]
+            if shape != specs[name].shape:
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has shape {list(shape)}, but config.json implies "
+                    f"{list(specs[name].shape)} ({specs[name].why}); the weights and config.json disagree"
+                )
+            if tag not in _FLOAT_TAGS:
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has dtype {tag}; expected a float (F32, BF16, F16): quantized "
+                    "checkpoints are not supported"
+                )
+
+
+def _to_target(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Move one tensor to where the model runs (the only place device memory is taken)."""
+    return tensor.to(device=device, dtype=dtype)
+
+
+def load_weights(
+    model_dir: str | os.PathLike[str], config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Every tensor the model needs, by Hugging Face name, on ``device`` in ``dtype``.
+
+    Headers are checked before any weight moves; then shards are opened one at a time and their
+    tensors moved one by one, so peak host memory is about one tensor. Tensors the model does not
+    read (``rotary_emb.inv_freq`` of old checkpoints, a tied ``lm_head``) are skipped.
+
+    :raises ModelLoadError: for a dtype the ops do not run, pickled-only or missing weights, a
+        missing, corrupt or truncated file, a missing tensor, a shape that disagrees with the config
+        or a non-float tensor; the message names the file and the tensor.
+    """
+    check_dtype(dtype)
+    device = torch.device(device)
+    specs = expected_weights(config)
+    by_file, headers = _locate(Path(model_dir), specs)
+    _check_tensors(by_file, headers, specs)
+    weights: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    weights[name] = _to_target(f.get_tensor(name), device, dtype)
+        except (SafetensorError, OSError) as exc:  # the file changed or broke after its header was read
+            raise ModelLoadError(f"{path}: reading its tensors failed ({exc}); re-download or re-save it") from exc
+    return {name: weights[name] for name in specs}

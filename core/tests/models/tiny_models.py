@@ -1,0 +1,105 @@
+"""Tiny random Hugging Face checkpoints of each supported family, built with ``transformers``.
+
+The fixtures of ``conftest.py`` save one of each with ``save_pretrained`` (safetensors):
+
+- ``llama_dir``: Llama 3.1 (``llama3`` rope scaling), 4 heads of 64 over 1 KV head (GQA 4), head_dim set explicitly.
+- ``qwen2_dir``: Qwen2 with q/k/v biases and tied embeddings, 4 heads of 64 over 2 KV heads.
+- ``mistral_dir``: Mistral with a sliding window of 8 (shorter than the tests' sequences), 2 heads of 128
+  over 1 KV head.
+
+``tiny_model_dirs`` maps each family to its directory. Weights are re-drawn at unit scale (the
+transformers initialisation is so small that every layer is nearly the identity, which would let a
+wrong rotary table or bias pass unseen); norm weights and biases are random too.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+#: Family -> (transformers config class name, model class name, config arguments).
+TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            rope_theta=10000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=[2, 3],
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            bos_token_id=None,
+            eos_token_id=4,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=128,
+            sliding_window=8,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}
+_COMMON = dict(
+    vocab_size=512, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5
+)
+
+
+def build_tiny_model(family: str, seed: int = 0, **overrides):
+    """A random ``transformers`` model of ``family`` at unit-scale weights (float32, eager attention)."""
+    import transformers
+
+    config_cls, model_cls, kwargs = TINY_CONFIGS[family]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.5 * noise)
+            else:  # a linear [out, in] (or the embedding, also a tied LM head): unit-scale outputs for unit inputs
+                param.copy_(noise / math.sqrt(param.shape[1]))
+    return model
+
+
+def save_tiny_model(family: str, path: Path, **overrides) -> Path:
+    """Build a tiny model of ``family`` and save it as a Hugging Face directory (safetensors) at ``path``."""
+    build_tiny_model(family, **overrides).save_pretrained(path)
+    return path
