@@ -6,9 +6,11 @@ finds pip-installed packages, so discovery, the suite and certify run their real
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,42 @@ from pathlib import Path
 from typing import Any
 
 _counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug of the mutant catalogue, and the check that must refuse it.
+
+    Attributes:
+        name: the provider's name (op mutants), or the plugin's name (whole-plugin mutants).
+        bug: the planted bug in one line: the catalogue table's row.
+        bug_class: the class, as issue 11 words it: "precision", "shape branch", "stray writes",
+            "sampling", "memory", "strides", "probe", or "caught before: <class>".
+        check: the check that must fail: a unique substring of its test id in report.json, e.g.
+            "test_provider_matches_reference[rms_norm-bf16_sum_rms_norm-bfloat16]".
+        message: substrings its failure message must contain (the case label, the value that is wrong).
+    """
+
+    name: str
+    bug: str
+    bug_class: str
+    check: str
+    message: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MutantGroup:
+    """One platform plugin holding one or more mutants, certified in one ``vllm-port certify`` run.
+
+    Attributes:
+        plugin: the plugin's entry-point name (unique across all groups).
+        source: the plugin module's source (hook implementations, as ``write_plugin`` takes it).
+        mutants: the bugs planted in it.
+    """
+
+    plugin: str
+    source: str
+    mutants: tuple[Mutant, ...]
 
 
 def write_plugin(site: Path, name: str, source: str, version: str = "0.0.1") -> str:
@@ -58,3 +96,57 @@ def run_certify(*args: str, site: Path | None = None, report_dir: Path | None = 
     cmd = [sys.executable, "-m", "vllm_port.cli", "certify", *args, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     return Certified(proc.returncode, proc.stdout, proc.stderr, report_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# The mutant catalogue: every ``mutants_<area>.py`` beside this file exposes ``GROUPS``
+# ------------------------------------------------------------------------------------------------
+
+HERE = Path(__file__).resolve().parent
+#: ``test_provider_matches_reference[op-provider-dtype]``-style check ids of op mutants
+_OP_CHECK = re.compile(r"\[(?P<op>[a-z_0-9]+)-(?P<provider>[^\]]+)-(?P<dtype>float32|bfloat16|float16|float64)\]")
+
+
+def mutant_groups() -> list[MutantGroup]:
+    """Every group of every ``mutants_*.py`` module beside this file, modules in name order."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    modules = sorted(path.stem for path in HERE.glob("mutants_*.py"))
+    return [group for name in modules for group in importlib.import_module(name).GROUPS]
+
+
+def certify_group(group: MutantGroup, workdir: Path) -> Certified:
+    """Install ``group``'s plugin into ``workdir/site`` and certify it, the report in ``workdir/report``."""
+    site = workdir / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    write_plugin(site, group.plugin, group.source)
+    return run_certify(group.plugin, site=site, report_dir=workdir / "report")
+
+
+def killing_check(report: dict[str, Any], mutant: Mutant) -> dict[str, Any] | None:
+    """The report's entry for ``mutant.check`` (a unique substring of one test id), or None if absent."""
+    found = [t for t in report["tests"] if mutant.check in t["id"]]
+    if len(found) > 1:
+        raise ValueError(f"mutant {mutant.name!r}: check {mutant.check!r} matches {len(found)} tests; make it unique")
+    return found[0] if found else None
+
+
+def expected_parts(group: MutantGroup, mutant: Mutant) -> list[str]:
+    """What the killing check's message must contain: the plugin, for op mutants provider, op and dtype, the mutant's parts."""
+    parts = [f"plugin {group.plugin!r}"]
+    op_check = _OP_CHECK.search(mutant.check)
+    if op_check and op_check["provider"] == mutant.name:
+        parts += [f"provider {mutant.name!r}", f"op {op_check['op']!r}", f"torch.{op_check['dtype']}"]
+    return parts + list(mutant.message)
+
+
+def kill_problems(group: MutantGroup, mutant: Mutant, report: dict[str, Any]) -> list[str]:
+    """Why ``mutant`` is not killed as its entry says (empty when it is)."""
+    test = killing_check(report, mutant)
+    if test is None:
+        return [f"no check {mutant.check!r} ran"]
+    if test["state"] not in ("failed", "error"):
+        return [f"{test['id']} {test['state']}: the mutant survived"]
+    message = test["message"] or ""
+    missing = [part for part in expected_parts(group, mutant) if part not in message]
+    return [f"{test['id']} failed without {part!r} in: {message[:400]}" for part in missing]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from certify_helpers import Certified, run_certify
+from certify_helpers import Certified, run_certify, write_plugin
 
 from vllm_port import cli
 from vllm_port_conformance import certify
@@ -50,10 +50,32 @@ def test_verify_accepts_the_untouched_report(cpu_certified, capsys):
 
 
 def test_the_report_carries_a_digest_of_the_sources_it_ran(cpu_certified):
+    from vllm_port.discovery import discover
+
     source = cpu_certified.report["source"]
     assert source["packages"] == ["vllm_port", "vllm_port_conformance", "vllm_port_cpu"]
-    assert source["files"] > 50 and source == certify.source_digest("cpu")
-    assert certify.source_digest("cuda")["sha256"] != source["sha256"]  # another plugin's package instead
+    assert {"vllm-port", "vllm-port-conformance", "vllm-port-cpu"} <= set(source["distributions"])
+    assert source["files"] > 50
+    assert source == certify.source_digest(certify.run_packages("cpu", discover(plugins="cpu")), ["vllm-port-cpu"])
+    other = certify.source_digest(["vllm_port", "vllm_port_conformance", "vllm_port_cuda"])
+    assert other["sha256"] != source["sha256"]  # another plugin's package instead
+
+
+def test_a_full_scope_report_and_the_first_probe(cpu_certified):
+    report = cpu_certified.report
+    assert report["report_version"] == 3
+    assert report["scope"] == {
+        "devices": 1,
+        "devices_found": 1,
+        "devices_requested": None,
+        "comm_ranks": 2,  # the host's ranks share it: the multi-rank checks run
+        "full": True,
+        "label": "full",
+    }
+    assert report["summary"]["out_of_scope"] == 0 and certify.headline(report) == "certified"
+    probe = report["probe"]
+    assert 0 <= probe["first_probe_s"] < probe["limit_s"] and "fresh process" in probe["measured_in"]
+    assert "Scope: full: 1 device(s) in scope" in (cpu_certified.report_dir / "report.md").read_text()
 
 
 def test_the_commit_the_runner_names_wins_over_the_checkout(monkeypatch):
@@ -93,11 +115,13 @@ def test_verify_rejects_a_forged_verdict_even_with_a_fresh_digest():
 
 def _minimal_failed():
     tests = [{"id": "test_ops::x", "state": "failed", "duration_s": 0.1, "message": "boom"}]
-    report = {k: None for k in certify.REQUIRED_KEYS}
+    report = {k: None for k in certify.REQUIRED_KEYS + certify.REQUIRED_KEYS_V3}
     report.update(
+        report_version=3,
         tests=tests,
         summary=certify._summary(tests),
-        device={"available": True, "reason": "here"},
+        device={"available": True, "reason": "here", "device_type": "cpu", "devices": [{"name": "host"}]},
+        scope=certify.scope_of("cpu", 1, None),
         verdict="not certified",
     )
     report["digest"] = certify.digest(report)
@@ -137,3 +161,146 @@ def test_waivers_turn_a_failure_into_waived(tmp_path):
     path.write_text('[[waiver]]\ntest = "test_ops::x"\n')
     with pytest.raises(ValueError, match="reason"):
         certify.load_waivers(path, "cpu")
+
+
+# -------------------------------------------------------------------------------------------------
+# Scope: certified for one device; the source digest of every distribution that ran
+# -------------------------------------------------------------------------------------------------
+
+#: A second distribution: a plugin that brings a kernel (and offers it to platform "alpha" itself).
+BETA = """
+import torch
+
+from vllm_port import hookimpl
+from vllm_port.ops import Provider
+from vllm_port.ops.activation import check_silu_and_mul
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = check_silu_and_mul(x)
+    return (torch.nn.functional.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+@hookimpl
+def vllm_port_api_range():
+    return ">=1.0,<2"
+
+
+@hookimpl
+def vllm_port_providers():
+    return [Provider("silu_and_mul", "beta_silu_and_mul", silu_and_mul, dtypes=frozenset({torch.float32}), platform="alpha")]
+"""
+
+#: A one-device platform whose provider is beta's kernel.
+ALPHA = """
+import torch
+
+from vllm_port import DeviceInfo, PlatformDescription, ProbeResult, hookimpl
+from vllm_port.ops import Provider
+from {beta} import silu_and_mul
+
+
+@hookimpl
+def vllm_port_api_range():
+    return ">=1.0,<2"
+
+
+@hookimpl
+def vllm_port_platform_describe():
+    return PlatformDescription(name="alpha", device_type="cpu", priority=1, dist_backend="gloo")
+
+
+@hookimpl
+def vllm_port_platform_probe():
+    return ProbeResult(True, "one test device", (DeviceInfo("test device", 1 << 34, "test"),))
+
+
+@hookimpl
+def vllm_port_providers():
+    return [Provider("silu_and_mul", "beta_silu_and_mul", silu_and_mul, dtypes=frozenset({{torch.float32}}))]
+"""
+
+
+@pytest.fixture(scope="module")
+def alpha_for_one_device(tmp_path_factory) -> Certified:
+    """``certify alpha --devices 1``: a world of one on a platform whose kernel is another distribution's."""
+    site = tmp_path_factory.mktemp("site")
+    beta = write_plugin(site, "beta", BETA)
+    write_plugin(site, "alpha", ALPHA.format(beta=beta))
+    return run_certify("alpha", "--devices", "1", site=site, report_dir=tmp_path_factory.mktemp("report") / "alpha")
+
+
+def test_one_device_is_certified_for_1_device_with_the_multi_device_checks_out_of_scope(alpha_for_one_device):
+    run = alpha_for_one_device
+    assert run.returncode == 0, run.output
+    assert "alpha: certified for 1 device" in run.stdout
+    report = run.report
+    assert report["verdict"] == "certified" and certify.headline(report) == "certified for 1 device"
+    assert report["scope"]["devices"] == 1 and report["scope"]["comm_ranks"] == 1 and not report["scope"]["full"]
+    scoped = sorted(t["id"] for t in report["tests"] if t["state"] == "out_of_scope")
+    assert scoped == ["test_comm::test_comm[p2p_ring]", "test_comm::test_comm[shape_mismatch]"]
+    assert report["summary"]["out_of_scope"] == 2 and report["summary"]["skipped"] == 0
+    ran = {t["id"]: t["state"] for t in report["tests"]}
+    assert ran["test_comm::test_comm[all_reduce[float32]]"] == ran["test_comm::test_comm[tp_mlp]"] == "passed"
+    assert "2 multi-device checks out of scope: certified for 1 device" in report["reason"]
+    md = (run.report_dir / "report.md").read_text()
+    assert "**Verdict: certified for 1 device**" in md and "Scope: 1 device: 1 device(s) in scope" in md
+    assert report["command"]["argv"][-2:] == ["--devices", "1"]
+    assert report["command"]["suite"][-2:] == ["--vllm-port-devices", "1"]
+    assert certify.verify(report) == []
+
+
+def test_the_digest_covers_the_distribution_whose_kernel_ran(alpha_for_one_device):
+    source = alpha_for_one_device.report["source"]
+    beta = [p for p in source["packages"] if p.startswith("vllm_port_test_beta_")]
+    alpha = [p for p in source["packages"] if p.startswith("vllm_port_test_alpha_")]
+    assert beta and alpha, source
+    assert {"vllm-port-test-alpha", "vllm-port", "vllm-port-conformance"} <= set(source["distributions"])
+
+
+def test_verify_understands_the_scope(alpha_for_one_device, tmp_path, capsys):
+    report = alpha_for_one_device.report
+    status, out = _verify(tmp_path, report, capsys)
+    assert status == 0 and "report verified: alpha: certified for 1 device" in out
+    assert "scope: 1 device (1 device(s), comm checks on 1 rank(s))" in out
+    forged = json.loads(json.dumps(report))
+    forged["scope"].update(devices=2, devices_requested=None, comm_ranks=2, full=True, label="full")
+    forged["digest"] = certify.digest(forged)
+    problems = certify.verify(forged)
+    assert any("does not follow from the 1 device(s)" in p for p in problems), problems
+    assert any("inconsistent" in p for p in problems), problems  # out-of-scope checks in a full report
+
+
+def _with(tests, scope_full=False, **device):
+    report = {k: None for k in certify.REQUIRED_KEYS + certify.REQUIRED_KEYS_V3}
+    scope = certify.scope_of("cuda", 1, None)
+    assert scope["full"] is False and scope["label"] == "1 device"
+    report.update(
+        report_version=3,
+        tests=tests,
+        summary=certify._summary(tests),
+        device={"available": True, "reason": "here", "device_type": "cuda", "devices": [{"name": "gpu"}], **device},
+        scope=scope,
+    )
+    report["verdict"], report["reason"] = certify._verdict(report["device"], tests, scope)
+    report["digest"] = certify.digest(report)
+    return report
+
+
+def _t(test_id, state):
+    return {"id": test_id, "state": state, "duration_s": 0.0, "message": ""}
+
+
+def test_only_multi_device_checks_may_be_out_of_scope_and_other_skips_still_refuse():
+    base = [_t("test_ops::x", "passed"), _t("test_comm::test_comm[p2p_ring]", "out_of_scope")]
+    assert _with(base)["verdict"] == "certified"
+    assert certify.verify(_with(base)) == []
+    assert _with([*base, _t("test_memory::y", "skipped")])["verdict"] == "not certified"
+    assert _with([*base, _t("test_ops::z", "out_of_scope")])["verdict"] == "not certified"  # not a comm check
+    full = _with(base)
+    full["scope"] = certify.scope_of("cuda", 2, None)
+    assert certify._verdict(full["device"], base, full["scope"])[0] == "not certified"  # nothing is out of a full scope
+    broken = _with(base, error="plugin 'x': vllm_port_platform_probe did not answer within the 5 s limit")
+    assert broken["verdict"] == "not certified" and "did not load" in broken["reason"]
+    with pytest.raises(ValueError, match="found only 1"):
+        certify.scope_of("cuda", 1, 2)

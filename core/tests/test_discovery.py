@@ -226,3 +226,66 @@ def test_allocator_and_comm_parts_are_replaceable_one_at_a_time(install_plugin):
         "collectives": "fastcomm collectives",
     }
     assert _record(runtime.discovery, "fastcomm").reason.startswith("not a platform plugin")
+
+
+# -------------------------------------------------------------------------------------------------
+# Probes under a time limit
+# -------------------------------------------------------------------------------------------------
+
+HANGING_PROBE = (
+    "import threading\n"
+    "@hookimpl\ndef vllm_port_platform_probe():\n    threading.Event().wait()  # a driver lock nobody releases\n"
+)
+
+
+def test_a_hanging_probe_is_recorded_unavailable_naming_the_plugin_and_the_limit(install_plugin):
+    import time
+
+    install_plugin("zhang", healthy("zhang", priority=99, extra=HANGING_PROBE))
+    start = time.perf_counter()
+    runtime = vllm_port.load(plugins="cpu,zhang", probe_timeout_s=0.3)
+    assert time.perf_counter() - start < 5, "a hanging probe stalled load()"
+    assert runtime.platform.name == "cpu"  # the higher priority of the hung platform does not count
+    hung = _record(runtime.discovery, "zhang")
+    assert not hung.available and 0.3 <= hung.probe_s < 2
+    assert "plugin 'zhang': vllm_port_platform_probe did not answer within the 0.3 s limit" in hung.error
+    assert "VLLM_PORT_PROBE_TIMEOUT" in hung.error
+    assert _record(runtime.discovery, "cpu").probe_s < 0.3
+
+
+def test_the_probe_limit_comes_from_the_environment_and_is_checked(monkeypatch):
+    from vllm_port.discovery import DEFAULT_PROBE_TIMEOUT_S, probe_timeout
+
+    monkeypatch.delenv("VLLM_PORT_PROBE_TIMEOUT", raising=False)
+    assert probe_timeout() == DEFAULT_PROBE_TIMEOUT_S == discover(plugins="cpu").probe_timeout_s
+    monkeypatch.setenv("VLLM_PORT_PROBE_TIMEOUT", "2.5")
+    assert probe_timeout() == 2.5 and probe_timeout(1) == 1.0
+    for bad in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv("VLLM_PORT_PROBE_TIMEOUT", bad)
+        with pytest.raises(SelectionError, match=f"VLLM_PORT_PROBE_TIMEOUT='{bad}' is not a time limit"):
+            discover(plugins="cpu")
+    with pytest.raises(SelectionError, match="probe_timeout_s=0 is not a time limit; give a positive number"):
+        probe_timeout(0)
+
+
+def test_a_probe_that_exits_is_recorded_not_obeyed(install_plugin):
+    install_plugin(
+        "zexit", healthy("zexit", extra="@hookimpl\ndef vllm_port_platform_probe():\n    raise SystemExit(3)\n")
+    )
+    record = _record(discover(plugins="cpu,zexit"), "zexit")
+    assert not record.available and "vllm_port_platform_probe raised SystemExit: 3" in record.error
+
+
+def test_load_with_a_hanging_probe_returns_and_the_process_exits(install_plugin):
+    """The hung probe's thread is a daemon: it neither stalls ``load()`` nor keeps the process alive at exit
+    (``doctor`` discovers through the same path)."""
+    import os
+    import subprocess
+    import sys
+
+    install_plugin("zhang", healthy("zhang", priority=99, extra=HANGING_PROBE))
+    code = "import vllm_port; r = vllm_port.load(plugins='cpu,zhang'); print(r.platform.name, r.discovery.plugins[1].error)"
+    env = {**os.environ, "VLLM_PORT_PROBE_TIMEOUT": "0.5"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("cpu plugin 'zhang': vllm_port_platform_probe did not answer within the 0.5 s limit")

@@ -23,7 +23,7 @@ def test_json_selects_cpu_lists_every_plugin_and_smoke_passes():
     code, out, err = doctor("--json")
     report = json.loads(out)
     assert code == 0, err
-    assert report["selected"] == "cpu" and report["api_version"] == "1.0"
+    assert report["selected"] == "cpu" and report["api_version"] == "1.1"
     for plugin in report["plugins"]:
         assert {"name", "version", "available", "reason", "device_type", "device_count", "priority", "error"} <= set(
             plugin

@@ -1,5 +1,7 @@
 """The KV-cache builder and the default migrator, on CPU."""
 
+import os
+
 import pytest
 import torch
 
@@ -129,7 +131,12 @@ def test_host_allocator_accounts_and_reads_meminfo(tmp_path):
     assert 0 < free <= total
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       1000 kB\nMemFree:         10 kB\nMemAvailable:    600 kB\n")
-    assert host_memory(str(meminfo)) == (600 * 1024, 1000 * 1024)
+    assert host_memory(str(meminfo), str(tmp_path / "no zoneinfo")) == (600 * 1024, 1000 * 1024)
+    zoneinfo = tmp_path / "zoneinfo"  # free pages parked on per-CPU lists count as available
+    zoneinfo.write_text("Node 0, zone Normal\n  pages free 3\n  pagesets\n    cpu: 0\n      count: 10\n      high: 90\n"
+                        "    cpu: 1\n      count: 5\n      high: 90\n")  # fmt: skip
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert host_memory(str(meminfo), str(zoneinfo)) == (min(600 * 1024 + 15 * page, 1000 * 1024), 1000 * 1024)
     assert 0 < host_memory(str(tmp_path / "absent"))[0]  # sysconf without /proc
 
 
@@ -242,3 +249,56 @@ def test_copy_blocks_checks_its_arguments_before_holding_anything():
 def test_malformed_pairs_are_refused():
     with pytest.raises(MemoryContractError, match="pairs must be"):
         TorchMigrator().copy_blocks(_caches(2), _caches(2), [(0, 1, 2)])
+
+
+# -------------------------------------------------------------------------------------------------
+# One allocator per tier and one migrator per runtime
+# -------------------------------------------------------------------------------------------------
+
+
+def test_every_handle_on_a_tier_is_the_same_allocator_so_its_accounts_cover_every_buffer():
+    runtime = vllm_port.load(plugins="cpu", device="cpu")
+    kv = runtime.kv_cache(LAYOUT, 16 * 512)
+    again = runtime.allocator()
+    assert again is runtime.allocator("device")
+    assert again.stats().allocated == 16 * 512 and again.stats().live_buffers == 1  # read through a second handle
+    kv.close()
+    assert again.stats().allocated == 0
+
+
+def test_a_second_migrator_handle_cannot_bypass_the_in_flight_guard():
+    runtime = vllm_port.load(plugins="cpu", device="cpu")
+    src, dst = runtime.kv_cache(LAYOUT, 8 * 512), runtime.kv_cache(LAYOUT, 8 * 512, tier="device")
+    blocks = src.pool.allocate(2)
+    handle = runtime.migrator().copy_blocks(src.blocks, dst.blocks, [(blocks[0], 0), (blocks[1], 1)], src_pool=src.pool)
+    assert runtime.migrator() is runtime.migrator()
+    with pytest.raises(MemoryContractError, match="in flight in an earlier copy"):
+        runtime.migrator().copy_blocks(src.blocks, dst.blocks, [(5, 1)])  # writing a block being written
+    handle.wait()
+    runtime.migrator().copy_blocks(src.blocks, dst.blocks, [(5, 1)]).wait()
+    src.pool.free(blocks)
+    src.close()
+    dst.close()
+
+
+def test_a_platform_without_an_allocator_gets_core_default_or_a_clear_error(install_plugin):
+    from plugin_factory import healthy
+
+    from vllm_port.errors import PluginError
+
+    install_plugin("bare", healthy("bare"))
+    runtime = vllm_port.load(plugins="bare")
+    alloc = runtime.allocator()
+    assert isinstance(alloc, HostMemoryAllocator) and alloc.name == "host allocator (core's default)"
+    install_plugin(
+        "chip",
+        healthy(
+            "chip",
+            extra="@hookimpl\ndef vllm_port_platform_describe():\n"
+            "    return PlatformDescription(name='chip', device_type='mtia', priority=1, dist_backend='gloo')\n",
+        ),
+    )
+    with pytest.raises(
+        PluginError, match="platform 'chip' has no allocator: .* not 'mtia'; implement vllm_port_allocator"
+    ):
+        vllm_port.load(plugins="chip").allocator()

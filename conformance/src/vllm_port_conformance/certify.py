@@ -6,6 +6,13 @@ the :mod:`~vllm_port_conformance.recorder` plugin, with fixed seeds and derandom
 The report (``report.json``, ``report.md``) carries a sha256 digest over its canonical JSON, so
 ``vllm-port certify --verify report.json`` notices an edited or truncated report.
 
+The report's *scope* says what the certificate covers: on a machine with one device (or with
+``--devices 1``) the comm checks run on a world of one and those that need a second device are
+``out_of_scope``; the plugin is then "certified for 1 device". Any other skip still blocks
+certification. A plugin that fails to load (its import, its hooks or its probe: one that hangs past
+discovery's limit included) is "not certified"; only a clean probe that finds no device gives
+"could not run".
+
 Exit status: 0 certified (or report verified), 1 not certified (or report rejected),
 2 could not run (device absent, unknown plugin).
 """
@@ -24,20 +31,33 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .recorder import HYPOTHESIS_PROFILE, RECORD_OPTION, SEED
+from .recorder import DEVICES_OPTION, HYPOTHESIS_PROFILE, OUT_OF_SCOPE, RECORD_OPTION, SEED
 
-__all__ = ["STATES", "Waiver", "certify", "digest", "load_waivers", "main", "verify"]
+__all__ = [
+    "STATES",
+    "Waiver",
+    "certify",
+    "digest",
+    "headline",
+    "load_waivers",
+    "main",
+    "run_packages",
+    "scope_of",
+    "source_digest",
+    "verify",
+]
 
-#: the closed set of states a test can end in
-STATES = ("passed", "failed", "error", "skipped", "waived")
+#: the closed set of states a test can end in; ``out_of_scope``: beyond the report's scope (see ``scope``)
+STATES = ("passed", "failed", "error", "skipped", "waived", OUT_OF_SCOPE)
 VERDICTS = ("certified", "not certified", "could not run")
-REPORT_VERSION = 2  # 2: the source digest
+REPORT_VERSION = 3  # 2: the source digest; 3: the scope, the first probe, every distribution in the digest
 REQUIRED_KEYS = (
     "report_version",
     "plugin",
@@ -57,6 +77,12 @@ REQUIRED_KEYS = (
     "reason",
     "digest",
 )
+REQUIRED_KEYS_V3 = ("scope", "probe")
+#: the only checks a report may leave out of scope: those of comm that need a second device
+SCOPED_TESTS = "test_comm::"
+SUITE = "vllm_port_conformance.checks"
+#: what a plugin that fails to load is still checked by: the checks that say why
+LOAD_CHECKS = "vllm_port_conformance.checks.test_platform"
 DEFAULT_WAIVERS = Path(__file__).resolve().parents[2] / "waivers.toml"  # conformance/waivers.toml in a checkout
 OP_TESTS = ("test_ops::test_provider_",)
 COMMIT_ENV = "VLLM_PORT_GIT_COMMIT"
@@ -129,25 +155,59 @@ def _git() -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(status.strip())}
 
 
-def source_digest(plugin: str) -> dict[str, Any]:
-    """sha256 over the Python sources of core, the plugin's package and the suite, by relative path.
+def _top(module: Any) -> str:
+    name = module if isinstance(module, str) else getattr(module, "__name__", type(module).__module__)
+    return str(name).split(".")[0]
 
-    It ties a report to code where git cannot (a copied tree): anyone can compute it from a
-    checkout with the packages installed and compare.
+
+def run_packages(plugin: str, discovery: Any = None) -> list[str]:
+    """The top-level packages whose code the run used: core and the suite, the plugin's, and those of
+    every plugin registered with pluggy, every hook implementation and every op provider in
+    ``discovery`` (the plugin's discovery as the suite makes it: ``discover(plugins=plugin)``).
+
+    A plugin may register a hook implemented in another distribution, or a provider whose kernel
+    lives in one; their sources ran and belong in the digest.
     """
     wanted = {"vllm_port", "vllm_port_conformance"}
-    wanted |= {ep.module.split(".")[0] for ep in metadata.entry_points(group="vllm_port") if ep.name == plugin}
-    sha, files, hashed = hashlib.sha256(), 0, []
-    for package in sorted(wanted):
-        spec = importlib.util.find_spec(package)
+    wanted |= {_top(ep.module) for ep in metadata.entry_points(group="vllm_port") if ep.name == plugin}
+    if discovery is not None:
+        manager = discovery.manager
+        wanted |= {_top(p) for p in manager.get_plugins()}
+        for caller in vars(manager.hook).values():
+            wanted |= {_top(impl.function.__module__) for impl in getattr(caller, "get_hookimpls", list)()}
+        for op in discovery.registry.ops:
+            wanted |= {_top(p.fn.__module__) for p in discovery.registry.candidates(op)}
+    return sorted(wanted)
+
+
+def source_digest(packages: Iterable[str], distributions: Iterable[str] = ()) -> dict[str, Any]:
+    """sha256 over the Python sources of ``packages`` (see :func:`run_packages`), by relative path.
+
+    It ties a report to code where git cannot (a copied tree): anyone can compute it from a
+    checkout with the packages installed and compare. A single-module distribution counts as its
+    one file. ``distributions`` (the plugins' own, from discovery) are listed beside those that
+    the installed metadata names as owners of the packages.
+    """
+    sha, files, hashed, dists = hashlib.sha256(), 0, [], set(distributions)
+    owners = metadata.packages_distributions()
+    for package in sorted(set(packages)):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
         if spec is None or spec.origin is None:  # not importable: not listed, so the report does not claim it
             continue
-        root = Path(spec.origin).parent
-        for path in sorted(root.rglob("*.py")):
-            sha.update(f"{package}/{path.relative_to(root).as_posix()}".encode() + b"\0" + path.read_bytes() + b"\0")
+        origin = Path(spec.origin)
+        if spec.submodule_search_locations:
+            paths = [(f"{package}/{p.relative_to(origin.parent).as_posix()}", p) for p in origin.parent.rglob("*.py")]
+        else:
+            paths = [(origin.name, origin)]
+        for name, path in sorted(paths):
+            sha.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
             files += 1
         hashed.append(package)
-    return {"packages": hashed, "files": files, "sha256": sha.hexdigest()}
+        dists.update(owners.get(package, []))
+    return {"packages": hashed, "distributions": sorted(dists), "files": files, "sha256": sha.hexdigest()}
 
 
 def _fingerprint(record) -> dict[str, Any]:
@@ -157,7 +217,8 @@ def _fingerprint(record) -> dict[str, Any]:
         "platform": desc.name if desc else None,
         "device_type": desc.device_type if desc else None,
         "available": record.available,
-        "reason": (probe.reason if probe is not None else record.error) or "",
+        "reason": (probe.reason if probe is not None and record.error is None else record.error) or "",
+        "error": record.error,
         "devices": [
             {"name": d.name, "total_memory": d.total_memory, "arch": d.arch} for d in (probe.devices if probe else ())
         ],
@@ -203,20 +264,74 @@ def _summary(tests: list[dict[str, Any]]) -> dict[str, int]:
     return {"total": len(tests), **counts}
 
 
-def _verdict(available: bool, device_reason: str, tests: list[dict[str, Any]]) -> tuple[str, str]:
-    if not available:
-        return "could not run", f"device absent: {device_reason}"
+def scope_of(device_type: str | None, device_count: int, devices: int | None) -> dict[str, Any]:
+    """What a certification covers: the devices it is for and the ranks the comm checks run on.
+
+    :param devices: ``--devices``, or ``None`` for every device the probe found.
+    :raises ValueError: for a ``devices`` the platform cannot give.
+    """
+    from .comm_ranks import WORLD_SIZE, comm_world_size
+
+    ranks = comm_world_size(device_type or "cpu", device_count, devices) if device_count else 0
+    full = ranks >= WORLD_SIZE
+    count = devices if devices is not None else device_count
+    return {
+        "devices": count,
+        "devices_found": device_count,
+        "devices_requested": devices,
+        "comm_ranks": ranks,
+        "full": full,
+        "label": "full" if full else "no device" if not ranks else f"{count} device" + ("s" if count != 1 else ""),
+    }
+
+
+def _verdict(device: dict[str, Any], tests: list[dict[str, Any]], scope: dict[str, Any] | None) -> tuple[str, str]:
+    if device.get("error"):
+        return "not certified", f"the plugin did not load: {device['error']}"
+    if not device.get("available"):
+        return "could not run", f"device absent: {device.get('reason', '')}"
     if not tests:
         return "not certified", "no checks ran"
-    bad = [t for t in tests if t["state"] not in ("passed", "waived")]
+    limited = scope is not None and not scope.get("full", True)
+    scoped = [t for t in tests if t["state"] == OUT_OF_SCOPE and limited and t["id"].startswith(SCOPED_TESTS)]
+    bad = [t for t in tests if t["state"] not in ("passed", "waived") and t not in scoped]
     if bad:
         kinds = _summary(bad)
-        said = ", ".join(f"{n} {s}" for s, n in kinds.items() if s != "total" and n)
+        said = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in kinds.items() if s != "total" and n)
         return "not certified", f"{said} (every required check must pass or be waived)"
+    if scoped:
+        return "certified", (
+            f"all {len(tests) - len(scoped)} checks in scope passed or waived; {len(scoped)} multi-device checks "
+            f"out of scope: certified for {scope['label']}"  # type: ignore[index]
+        )
     return "certified", f"all {len(tests)} checks passed or waived"
 
 
-def _run_suite(plugin: str, record_file: Path) -> tuple[list[dict[str, Any]], int, list[str]]:
+def headline(report: dict[str, Any]) -> str:
+    """The verdict with its scope: ``certified``, ``certified for 1 device``, ``not certified``..."""
+    scope = report.get("scope") or {}
+    if report.get("verdict") == "certified" and scope and not scope.get("full", True):
+        return f"certified for {scope['label']}"
+    return str(report.get("verdict"))
+
+
+def _first_probe(tests: list[dict[str, Any]], record: Any, limit_s: float) -> dict[str, Any]:
+    """The first probe of a fresh process: measured by the suite's own discovery (its process is new)."""
+    for t in tests:
+        props = t.get("properties") or {}
+        if "first_probe_s" in props:
+            took, limit = props["first_probe_s"], props.get("probe_limit_s", limit_s)
+            return {
+                "first_probe_s": took,
+                "limit_s": limit,
+                "measured_in": "the suite's fresh process, by its discovery",
+            }
+    return {"first_probe_s": record.probe_s, "limit_s": limit_s, "measured_in": "certify's discovery"}
+
+
+def _run_suite(
+    plugin: str, record_file: Path, target: str = SUITE, devices: int | None = None
+) -> tuple[list[dict[str, Any]], int, list[str]]:
     cmd = [
         sys.executable,
         "-m",
@@ -227,11 +342,12 @@ def _run_suite(plugin: str, record_file: Path) -> tuple[list[dict[str, Any]], in
         "-p",
         "vllm_port_conformance.recorder",
         "--pyargs",
-        "vllm_port_conformance.checks",
+        target,
         "--vllm-port-plugin",
         plugin,
         RECORD_OPTION,
         str(record_file),
+        *([DEVICES_OPTION, str(devices)] if devices is not None else []),
     ]
     env = {**os.environ, "PYTHONHASHSEED": str(SEED)}
     with tempfile.TemporaryDirectory() as cwd:  # no project's pytest configuration applies
@@ -245,10 +361,14 @@ def _run_suite(plugin: str, record_file: Path) -> tuple[list[dict[str, Any]], in
     return data["tests"], proc.returncode, cmd
 
 
-def certify(plugin: str, waivers_file: Path | None = None, argv: list[str] | None = None) -> dict[str, Any]:
+def certify(
+    plugin: str, waivers_file: Path | None = None, argv: list[str] | None = None, devices: int | None = None
+) -> dict[str, Any]:
     """Run the suite on ``plugin`` and return the report (with its digest).
 
+    :param devices: certify for this many devices (``--devices``); every device found when ``None``.
     :raises vllm_port.errors.SelectionError: when no installed plugin is called ``plugin``.
+    :raises ValueError: for a ``devices`` the platform cannot give.
     """
     from vllm_port.discovery import discover
 
@@ -257,19 +377,22 @@ def certify(plugin: str, waivers_file: Path | None = None, argv: list[str] | Non
     found = discover(plugins=plugin)
     record = next(r for r in found.plugins if r.name == plugin)
     device = _fingerprint(record)
+    desc, probe = record.description, record.probe
+    scope = scope_of(desc.device_type if desc else None, probe.device_count if probe else 0, devices)
     waivers = load_waivers(waivers_file, plugin)
     tests: list[dict[str, Any]] = []
     suite_cmd: list[str] = []
-    if record.available:
+    if record.available or record.error is not None:  # a plugin that did not load is checked by what says why
+        target = SUITE if record.available else LOAD_CHECKS
         with tempfile.TemporaryDirectory() as tmp:
-            tests, _, suite_cmd = _run_suite(plugin, Path(tmp) / "record.json")
+            tests, _, suite_cmd = _run_suite(plugin, Path(tmp) / "record.json", target, devices)
         by_id = {w.test: w for w in waivers}
         for t in tests:
             w = by_id.get(t["id"])
             if w is not None and t["state"] != "passed":
                 t["message"] = f"waived ({w.reason}); was {t['state']}: {t['message']}"
                 t["state"] = "waived"
-    verdict, reason = _verdict(record.available, device["reason"], tests)
+    verdict, reason = _verdict(device, tests, scope)
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "plugin": {"name": plugin, "distribution": record.distribution, "version": record.version},
@@ -283,8 +406,12 @@ def certify(plugin: str, waivers_file: Path | None = None, argv: list[str] | Non
             "python": host.python_version(),
         },
         "git": _git(),
-        "source": source_digest(plugin),
+        "source": source_digest(
+            run_packages(plugin, found), [r.distribution for r in found.plugins if r.error is None]
+        ),
         "device": device,
+        "scope": scope,
+        "probe": _first_probe(tests, record, found.probe_timeout_s),
         "command": {"argv": argv if argv is not None else ["vllm-port", "certify", plugin], "suite": suite_cmd},
         "seeds": {
             "torch_generator": 0,
@@ -310,7 +437,8 @@ def verify(report: Any) -> list[str]:
     """What is wrong with a report (edited, incomplete, inconsistent); empty when it holds."""
     if not isinstance(report, dict):
         return ["the report is not a JSON object"]
-    problems = [f"missing key {k!r}" for k in REQUIRED_KEYS if k not in report]
+    required = REQUIRED_KEYS + (REQUIRED_KEYS_V3 if _version_of(report) >= 3 else ())
+    problems = [f"missing key {k!r}" for k in required if k not in report]
     if report.get("digest") != digest(report):
         problems.append("digest mismatch: the report was edited after it was written")
     tests = report.get("tests")
@@ -324,26 +452,58 @@ def verify(report: Any) -> list[str]:
             malformed.append(f"test {t['id']!r} is in state {t['state']!r}, not one of {', '.join(STATES)}")
     if malformed:
         return problems + malformed
-    if report.get("summary") != _summary(tests):
+    expected, summary = _summary(tests), report.get("summary")
+    if _version_of(report) < 3 and isinstance(summary, dict) and not expected[OUT_OF_SCOPE]:
+        expected.pop(OUT_OF_SCOPE)  # reports before version 3 had no such state
+        summary = {k: v for k, v in summary.items() if k != OUT_OF_SCOPE}
+    if summary != expected:
         problems.append(f"incomplete: summary {report.get('summary')} does not match the {len(tests)} tests listed")
     device = report.get("device") or {}
-    verdict, _ = _verdict(bool(device.get("available")), str(device.get("reason", "")), tests)
+    scope = report.get("scope") if _version_of(report) >= 3 else None
+    if scope is not None:
+        problems += _scope_problems(device, scope)
+    verdict, _ = _verdict(device, tests, scope)
     if report.get("verdict") != verdict:
         problems.append(f"verdict {report.get('verdict')!r} is inconsistent with the results ({verdict!r})")
     return problems
 
 
+def _version_of(report: dict[str, Any]) -> int:
+    version = report.get("report_version")
+    return version if isinstance(version, int) else 0
+
+
+def _scope_problems(device: dict[str, Any], scope: Any) -> list[str]:
+    """A scope that does not follow from the device the report names and the devices asked for."""
+    if not isinstance(scope, dict):
+        return ["'scope' is not an object"]
+    found = len(device.get("devices") or [])
+    try:
+        want = scope_of(device.get("device_type"), found, scope.get("devices_requested"))
+    except (TypeError, ValueError) as exc:
+        return [f"scope {scope} is impossible on the device the report names: {exc}"]
+    if scope != want:
+        return [f"scope {scope} does not follow from the {found} device(s) the report names (expected {want})"]
+    return []
+
+
 def render(report: dict[str, Any]) -> str:
     """report.md: the report for people."""
     s, d = report["summary"], report["device"]
+    scope, first = report.get("scope") or {}, report.get("probe") or {}
     lines = [
         f"# vllm-port certification: {report['plugin']['name']}",
         "",
-        f"**Verdict: {report['verdict']}** ({report['reason']})",
+        f"**Verdict: {headline(report)}** ({report['reason']})",
         "",
         f"{s['total']} checks: {s['passed']} passed, {s['failed']} failed, {s['error']} error, "
-        f"{s['skipped']} skipped, {s['waived']} waived; {report['timing']['total_s']} s "
-        f"(started {report['timing']['started']}).",
+        f"{s['skipped']} skipped, {s['waived']} waived, {s.get(OUT_OF_SCOPE, 0)} out of scope; "
+        f"{report['timing']['total_s']} s (started {report['timing']['started']}).",
+        "",
+        _scope_line(scope, len(d["devices"])),
+        "",
+        f"First probe of a fresh process: {first.get('first_probe_s')} s (limit {first.get('limit_s')} s; "
+        f"measured in {first.get('measured_in', 'n/a')}).",
         "",
         "## Versions",
         "",
@@ -354,7 +514,13 @@ def render(report: dict[str, Any]) -> str:
         + (f"; from {report['git']['from']}" if "from" in report["git"] else "")
         + ") |",
         f"| source sha256 | {report['source']['sha256']} ({report['source']['files']} files of "
-        f"{', '.join(report['source']['packages'])}) |",
+        f"{', '.join(report['source']['packages'])}"
+        + (
+            f"; distributions {', '.join(report['source']['distributions'])}"
+            if report["source"].get("distributions")
+            else ""
+        )
+        + ") |",
         "",
         "## Device",
         "",
@@ -405,8 +571,25 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _scope_line(scope: dict[str, Any], found: int) -> str:
+    if not scope:
+        return f"Scope: not recorded (a report before version 3); {found} device(s) found."
+    if not scope["comm_ranks"]:
+        return "Scope: no device ran the checks."
+    line = (
+        f"Scope: {scope['label']}: {scope['devices']} device(s) in scope ({scope['devices_found']} found), "
+        f"comm checks on {scope['comm_ranks']} rank(s)"
+    )
+    return line + ("; the multi-device checks are out of scope." if not scope["full"] else ".")
+
+
 def main(
-    plugin: str | None, report_dir: str | None, as_json: bool, waivers: str | None, verify_path: str | None
+    plugin: str | None,
+    report_dir: str | None,
+    as_json: bool,
+    waivers: str | None,
+    verify_path: str | None,
+    devices: int | None = None,
 ) -> int:
     """The ``vllm-port certify`` command; returns the exit status."""
     if verify_path is not None:
@@ -419,8 +602,11 @@ def main(
         if problems:
             print(f"report rejected: {verify_path}:\n" + "\n".join(f"  - {p}" for p in problems))
             return 1
-        print(f"report verified: {loaded['plugin']['name']}: {loaded['verdict']} ({loaded['digest']})")
-        here = source_digest(loaded["plugin"]["name"])["sha256"]
+        print(f"report verified: {loaded['plugin']['name']}: {headline(loaded)} ({loaded['digest']})")
+        if loaded.get("scope"):
+            sc = loaded["scope"]
+            print(f"scope: {sc['label']} ({sc['devices']} device(s), comm checks on {sc['comm_ranks']} rank(s))")
+        here = source_digest(loaded["source"]["packages"])["sha256"]
         same = here == loaded["source"]["sha256"]
         print(f"source: {'the same as' if same else 'differs from'} the packages installed here (sha256 {here})")
         return 0
@@ -435,8 +621,9 @@ def main(
         argv = ["vllm-port", "certify", plugin]
         argv += ["--report", report_dir] if report_dir else []
         argv += ["--waivers", waivers] if waivers else []
+        argv += ["--devices", str(devices)] if devices is not None else []
         argv += ["--json"] if as_json else []
-        report = certify(plugin, Path(waivers) if waivers else None, argv)
+        report = certify(plugin, Path(waivers) if waivers else None, argv, devices)
     except SelectionError as exc:
         print(f"error: unknown plugin {plugin!r}: {exc}", file=sys.stderr)
         return 2
@@ -457,10 +644,10 @@ def main(
         s = report["summary"]
         print(
             f"{s['total']} checks: {s['passed']} passed, {s['failed']} failed, {s['error']} error, "
-            f"{s['skipped']} skipped, {s['waived']} waived"
+            f"{s['skipped']} skipped, {s['waived']} waived, {s[OUT_OF_SCOPE]} out of scope"
         )
     status = {"certified": 0, "not certified": 1, "could not run": 2}[report["verdict"]]
-    line = {"could not run": f"could not run: {report['reason']}"}.get(report["verdict"], report["verdict"])
+    line = {"could not run": f"could not run: {report['reason']}"}.get(report["verdict"], headline(report))
     print(f"{plugin}: {line}" if status != 2 else line, file=sys.stderr if as_json else sys.stdout)
     if report_dir:
         print(f"report: {Path(report_dir) / 'report.json'}, {Path(report_dir) / 'report.md'}", file=sys.stderr)

@@ -3,6 +3,11 @@
 Each check returns ``None`` when it passes or a message; exceptions are caught per check and
 reported with the rank, so one failure does not hide the others. Inputs are rank-dependent with
 known results.
+
+The checks run on two ranks where the platform has two devices (or is the host CPU, whose ranks
+share it), and on a world of one where it has one: every collective and the tensor-parallel layers
+still run on the one rank, and the checks that need a second rank (:data:`MULTI_RANK_CHECKS`) are
+out of that run's scope.
 """
 
 from __future__ import annotations
@@ -18,6 +23,27 @@ from vllm_port.errors import CommCapabilityError, CommInputError, CommShapeMisma
 from vllm_port.parallel import ColumnParallelLinear, RowParallelLinear
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+#: ranks the comm checks use when the devices allow
+WORLD_SIZE = 2
+#: checks that mean nothing on one rank: a peer to send to, a peer whose shape differs
+MULTI_RANK_CHECKS = ("shape_mismatch", "p2p_ring")
+
+
+def comm_world_size(device_type: str, device_count: int, devices: int | None = None) -> int:
+    """The ranks the comm checks run on: one per device, at most :data:`WORLD_SIZE`.
+
+    :param device_count: the devices the probe found.
+    :param devices: certify for this many devices (``--vllm-port-devices``); ``None``: as found.
+        Ranks of the host CPU share it, so ``cpu`` runs :data:`WORLD_SIZE` ranks unless told fewer.
+    :raises ValueError: for fewer than one device asked, or more than a device platform has.
+    """
+    if devices is not None:
+        if devices < 1:
+            raise ValueError(f"certify for {devices} devices: give at least 1")
+        if device_type != "cpu" and devices > device_count:
+            raise ValueError(f"certify for {devices} {device_type} devices: the probe found only {device_count}")
+        return min(WORLD_SIZE, devices)
+    return WORLD_SIZE if device_type == "cpu" else min(WORLD_SIZE, device_count)
 
 
 class ReplacementCollectives(TorchCollectives):
@@ -140,7 +166,8 @@ def run_checks(ctx: DistContext, plugin: str, platform: str) -> dict[str, str | 
         mixed = Communicator(comm.point_to_point, ReplacementCollectives())
         assert mixed.served_by_call["all_reduce"] == ReplacementCollectives.name, mixed.served_by_call
         assert mixed.served_by_call["send"] == comm.point_to_point.name, mixed.served_by_call
-        p2p_ring(mixed)
+        if w >= 2:  # point-to-point needs a peer
+            p2p_ring(mixed)
         _eq(mixed.all_reduce(torch.ones(2, device=dev)), torch.full((2,), float(w), device=dev), "replaced all_reduce")
         _expect(
             CommCapabilityError, lambda: mixed.reduce_scatter(torch.ones(2, device=dev)), "reduce_scatter", f"rank {r}"
@@ -171,6 +198,9 @@ def run_checks(ctx: DistContext, plugin: str, platform: str) -> dict[str, str | 
         barrier=barrier,
         tp_mlp=tp_mlp,
     )
+    if w < 2:
+        for name in MULTI_RANK_CHECKS:
+            del checks[name]
     results: dict[str, str | None] = {}
     for name, fn in checks.items():
         try:

@@ -1,9 +1,14 @@
 """A pytest plugin that records every test's outcome for ``vllm-port certify``.
 
 Loaded with ``-p vllm_port_conformance.recorder --vllm-port-record FILE``; writes one JSON object:
-``{"tests": [{"id", "state", "duration_s", "message"}...], "seed": ..., "exit_status": ...}``.
-It also fixes the randomness: Python's and torch's global seeds before each test, and a hypothesis
-profile with ``derandomize=True`` (the same examples every run, so a failure replays).
+``{"tests": [{"id", "state", "duration_s", "message"}...], "seed": ..., "exit_status": ...}``; a
+test's ``record_property`` values ride along as its ``properties``. It also fixes the randomness:
+Python's and torch's global seeds before each test, and a hypothesis profile with
+``derandomize=True`` (the same examples every run, so a failure replays).
+
+A check that the run's scope excludes (a multi-device check when certifying for one device) calls
+:func:`out_of_scope`: it is recorded as ``out_of_scope``, which certification tells apart from a skip.
+``--vllm-port-devices N`` sets that scope: certify as deployed on ``N`` devices.
 """
 
 from __future__ import annotations
@@ -16,15 +21,29 @@ from typing import Any
 import pytest
 
 RECORD_OPTION = "--vllm-port-record"
+DEVICES_OPTION = "--vllm-port-devices"
+OUT_OF_SCOPE = "out_of_scope"
 SEED = 0
 HYPOTHESIS_PROFILE = "vllm-port-certify"
 MESSAGE_LIMIT = 4000
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.getgroup("vllm-port").addoption(
-        RECORD_OPTION, default=None, help="write each test's outcome to this JSON file"
+    group = parser.getgroup("vllm-port")
+    group.addoption(RECORD_OPTION, default=None, help="write each test's outcome to this JSON file")
+    group.addoption(
+        DEVICES_OPTION,
+        type=int,
+        default=None,
+        metavar="N",
+        help="certify for N devices: checks that need more are recorded as out of scope (default: all found)",
     )
+
+
+def out_of_scope(item: pytest.Item, reason: str) -> None:
+    """End the calling check as out of this run's scope (recorded ``out_of_scope``, not ``skipped``)."""
+    item.user_properties.append((OUT_OF_SCOPE, reason))
+    pytest.skip(f"out of scope: {reason}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,9 +56,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(Recorder(config.getoption(RECORD_OPTION)), "vllm-port-recorder")
 
 
-def test_id(nodeid: str) -> str:
-    """``.../checks/test_ops.py::test_x[case]`` -> ``test_ops::test_x[case]`` (independent of the rootdir)."""
+def test_id(nodeid: str, location: str = "") -> str:
+    """``.../checks/test_ops.py::test_x[case]`` -> ``test_ops::test_x[case]`` (independent of the rootdir).
+
+    :param location: the test's file, for a node id without one (pytest run on a single module by name).
+    """
     path, _, rest = nodeid.partition("::")
+    path = path or location
     return f"{Path(path).stem}::{rest}" if rest else Path(path).stem
 
 
@@ -60,8 +83,9 @@ class Recorder:
         self.path = path
         self.tests: dict[str, dict[str, Any]] = {}
 
-    def _entry(self, nodeid: str) -> dict[str, Any]:
-        return self.tests.setdefault(test_id(nodeid), {"state": "passed", "duration_s": 0.0, "message": ""})
+    def _entry(self, report: pytest.TestReport) -> dict[str, Any]:
+        key = test_id(report.nodeid, report.location[0] if report.location else "")
+        return self.tests.setdefault(key, {"state": "passed", "duration_s": 0.0, "message": ""})
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
@@ -71,11 +95,17 @@ class Recorder:
         torch.manual_seed(SEED)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        entry = self._entry(report.nodeid)
+        entry = self._entry(report)
         entry["duration_s"] = round(entry["duration_s"] + report.duration, 6)
+        properties = {k: v for k, v in report.user_properties if k != OUT_OF_SCOPE}
+        if properties:
+            entry.setdefault("properties", {}).update(properties)
         if entry["state"] != "passed":
             return  # the first thing that went wrong is the outcome
-        if report.skipped:
+        scope = dict(report.user_properties).get(OUT_OF_SCOPE)
+        if report.skipped and scope is not None:
+            entry.update(state=OUT_OF_SCOPE, message=f"out of scope: {scope}")
+        elif report.skipped:
             entry.update(state="skipped", message=_message(report))
         elif report.failed:
             entry.update(state="failed" if report.when == "call" else "error", message=_message(report))

@@ -2,12 +2,17 @@
 
 Data flows one way: discover -> select -> bind -> run. Every plugin is loaded, validated and
 probed on its own; one that fails at any step is recorded with the reason and skipped, and never
-takes the process down.
+takes the process down. Each probe runs under a time limit (``VLLM_PORT_PROBE_TIMEOUT``, 5 s by
+default) on a daemon thread: a probe that hangs marks its platform unavailable, naming the plugin and
+the limit, and neither stalls discovery nor keeps the process alive at exit.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -21,11 +26,24 @@ from .errors import ApiVersionError, PluginError, ProviderRejectedError, Selecti
 from .ops import ALL_OPS, OpRegistry, Provider
 from .platform import PlatformDescription, ProbeResult, validate_description, validate_probe
 
-__all__ = ["ENTRY_POINT_GROUP", "Discovery", "PluginRecord", "discover", "parse_plugin_filter"]
+__all__ = [
+    "DEFAULT_PROBE_TIMEOUT_S",
+    "ENTRY_POINT_GROUP",
+    "PROBE_TIMEOUT_ENV",
+    "Discovery",
+    "PluginRecord",
+    "discover",
+    "parse_plugin_filter",
+    "probe_timeout",
+]
 
 ENTRY_POINT_GROUP = "vllm_port"
 CORE_PLUGIN = "vllm-port"
 PLUGINS_ENV = "VLLM_PORT_PLUGINS"
+PROBE_TIMEOUT_ENV = "VLLM_PORT_PROBE_TIMEOUT"
+#: Seconds a probe may take. Generous for a cheap query (NVML on eight GPUs answers in well under a
+#: second), short enough that a hung driver never stalls ``load()`` or ``doctor`` for long.
+DEFAULT_PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -39,6 +57,7 @@ class PluginRecord:
         description, probe: its platform's answers, when it is a platform plugin.
         providers: the providers it registered; ``rejected`` the messages for those refused.
         error: why the whole plugin was skipped, or ``None``.
+        probe_s: seconds its probe took (up to the limit, when it timed out); ``None`` if never probed.
     """
 
     name: str
@@ -50,6 +69,7 @@ class PluginRecord:
     providers: list[Provider] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     error: str | None = None
+    probe_s: float | None = None
 
     @property
     def available(self) -> bool:
@@ -68,12 +88,14 @@ class PluginRecord:
 
 @dataclass
 class Discovery:
-    """The outcome of discovery: the plugin manager, what each plugin said, and the op registry."""
+    """The outcome of discovery: the plugin manager, what each plugin said, the op registry, and the
+    time limit each probe ran under."""
 
     manager: pluggy.PluginManager
     plugins: list[PluginRecord]
     excluded: list[str]
     registry: OpRegistry
+    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
 
     def platforms(self) -> list[PluginRecord]:
         """Records of platform plugins that loaded cleanly."""
@@ -93,13 +115,44 @@ def parse_plugin_filter(spec: str | None) -> tuple[set[str], set[str]]:
     return allow, deny
 
 
-def discover(plugins: str | None = None, entry_points: Sequence[metadata.EntryPoint] | None = None) -> Discovery:
+def probe_timeout(seconds: float | None = None) -> float:
+    """The probe time limit: ``seconds`` if given, else ``VLLM_PORT_PROBE_TIMEOUT``, else the default.
+
+    :raises SelectionError: when the limit is not a positive finite number of seconds.
+    """
+    source, value, given = "probe_timeout_s", seconds, repr(seconds)
+    if value is None:
+        raw = os.environ.get(PROBE_TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_PROBE_TIMEOUT_S
+        source, given = PROBE_TIMEOUT_ENV, repr(raw)
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise SelectionError(
+            f"{source}={given} is not a time limit; give a positive number of seconds "
+            f"(default {DEFAULT_PROBE_TIMEOUT_S:g})"
+        )
+    return float(value)
+
+
+def discover(
+    plugins: str | None = None,
+    entry_points: Sequence[metadata.EntryPoint] | None = None,
+    probe_timeout_s: float | None = None,
+) -> Discovery:
     """Load, validate and probe every installed plugin that the filter admits.
 
     :param plugins: allow/deny list as in ``VLLM_PORT_PLUGINS`` (read when ``None``).
     :param entry_points: the entry points to load instead of the installed ones (tests).
-    :raises SelectionError: when the filter names a plugin that is not installed.
+    :param probe_timeout_s: seconds each probe may take (``VLLM_PORT_PROBE_TIMEOUT`` when ``None``);
+        a probe still running then marks its plugin unavailable and is left behind on a daemon thread.
+    :raises SelectionError: when the filter names a plugin that is not installed, or the limit is not
+        a positive number.
     """
+    limit = probe_timeout(probe_timeout_s)
     found = list(entry_points if entry_points is not None else metadata.entry_points(group=ENTRY_POINT_GROUP))
     spec = plugins if plugins is not None else os.environ.get(PLUGINS_ENV)
     allow, deny = parse_plugin_filter(spec)
@@ -121,13 +174,17 @@ def discover(plugins: str | None = None, entry_points: Sequence[metadata.EntryPo
         if (allow and ep.name not in allow) or ep.name in deny:
             excluded.append(ep.name)
             continue
-        record = _load_one(manager, registry, ep, records)
+        record = _load_one(manager, registry, ep, records, limit)
         records.append(record)
-    return Discovery(manager, records, excluded, registry)
+    return Discovery(manager, records, excluded, registry, limit)
 
 
 def _load_one(
-    manager: pluggy.PluginManager, registry: OpRegistry, ep: metadata.EntryPoint, seen: list[PluginRecord]
+    manager: pluggy.PluginManager,
+    registry: OpRegistry,
+    ep: metadata.EntryPoint,
+    seen: list[PluginRecord],
+    probe_timeout_s: float,
 ) -> PluginRecord:
     dist = getattr(ep, "dist", None)
     record = PluginRecord(ep.name, dist.name if dist else "?", dist.version if dist else "?")
@@ -144,7 +201,7 @@ def _load_one(
             ) from exc
         _register(manager, ep.name, module)
         try:
-            _check_plugin(manager, registry, module, record, seen)
+            _check_plugin(manager, registry, module, record, seen, probe_timeout_s)
         except Exception:
             manager.unregister(module)
             raise
@@ -171,7 +228,12 @@ def _register(manager: pluggy.PluginManager, name: str, module: Any) -> None:
 
 
 def _check_plugin(
-    manager: pluggy.PluginManager, registry: OpRegistry, module: Any, record: PluginRecord, seen: list[PluginRecord]
+    manager: pluggy.PluginManager,
+    registry: OpRegistry,
+    module: Any,
+    record: PluginRecord,
+    seen: list[PluginRecord],
+    probe_timeout_s: float,
 ) -> None:
     call = _own_caller(manager, module, record.name)
     missing = [h for h in hookspecs.REQUIRED_HOOKS if not call.has(h)]
@@ -203,7 +265,7 @@ def _check_plugin(
             raise PluginError(
                 f"describes platform {record.description.name!r}, which plugin {taken[0]!r} already provides"
             )
-        record.probe = validate_probe(call("vllm_port_platform_probe"))
+        record.probe = validate_probe(_probe_within(call, record, probe_timeout_s))
     offered = call("vllm_port_providers") if call.has("vllm_port_providers") else []
     platform = record.description.name if record.description else ""
     for candidate in offered or []:
@@ -211,6 +273,39 @@ def _check_plugin(
             record.providers.append(registry.register(candidate, plugin=record.name, platform=platform))
         except ProviderRejectedError as exc:
             record.rejected.append(str(exc))
+
+
+def _probe_within(call: _own_caller, record: PluginRecord, limit_s: float) -> Any:
+    """Call the plugin's probe on a daemon thread and wait at most ``limit_s`` for its answer.
+
+    A daemon thread, because a probe stuck in a driver call cannot be interrupted: it is left
+    behind, and must not keep the process alive at exit.
+    """
+    outcome: list[Any] = []  # [result] or [None, exception]
+
+    def run() -> None:
+        try:
+            outcome.append(call("vllm_port_platform_probe"))
+        except BaseException as exc:  # handed to the caller's thread, which decides
+            outcome.extend((None, exc))
+
+    thread = threading.Thread(target=run, name=f"vllm-port probe {record.name}", daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    thread.join(limit_s)
+    record.probe_s = round(time.perf_counter() - start, 6)
+    if thread.is_alive():
+        raise PluginError(
+            f"plugin {record.name!r}: vllm_port_platform_probe did not answer within the {limit_s:g} s limit "
+            f"({PROBE_TIMEOUT_ENV}), so its platform counts as unavailable; a probe must be a cheap query "
+            "(no device context, no kernel build, no hanging driver call). Fix the probe, or raise the limit"
+        )
+    if len(outcome) == 2:
+        exc = outcome[1]
+        if isinstance(exc, Exception):
+            raise exc
+        raise PluginError(f"vllm_port_platform_probe raised {type(exc).__name__}: {exc}") from exc  # e.g. sys.exit()
+    return outcome[0]
 
 
 class _own_caller:  # noqa: N801 - reads as a function at the call site

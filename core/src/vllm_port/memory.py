@@ -30,9 +30,11 @@ __all__ = [
     "MigrationHandle",
     "Migrator",
     "OutOfMemoryError",
+    "TorchDeviceAllocator",
     "TorchMigrator",
     "consecutive_runs",
     "copy_across_tiers",
+    "default_allocator",
     "default_block_pool_factory",
     "host_memory",
 ]
@@ -74,7 +76,11 @@ class Allocator(abc.ABC):
         self._peak = 0
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        """Return a new uninitialised buffer of ``nbytes`` bytes; raise ``OutOfMemoryError`` when it does not fit."""
+        """Return a new uninitialised buffer of ``nbytes`` bytes; raise ``OutOfMemoryError`` when it does not fit.
+
+        :raises MemoryContractError: for a size that is not a positive int, or when ``_alloc`` answers
+            something other than a fresh flat ``uint8`` buffer of ``nbytes`` on this allocator's device.
+        """
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise MemoryContractError(f"{self.name}: allocate needs a positive int of bytes, got {nbytes!r}")
         free, _ = self._mem_info()
@@ -84,6 +90,12 @@ class Allocator(abc.ABC):
             buffer = self._alloc(nbytes)
         except torch.OutOfMemoryError as exc:
             raise OutOfMemoryError(self.name, nbytes, self._mem_info()[0]) from exc
+        problem = self._misfit(buffer, nbytes)
+        if problem:
+            raise MemoryContractError(
+                f"{self.name}: _alloc({nbytes:,}) {problem}; it must return a new contiguous 1-d uint8 tensor of "
+                f"exactly the bytes asked for, on {self.device.type}, sharing no memory with a live buffer"
+            )
         self._live[buffer.data_ptr()] = nbytes
         self._allocated += nbytes
         self._peak = max(self._peak, self._allocated)
@@ -111,6 +123,20 @@ class Allocator(abc.ABC):
         """Return memory cached by the framework's allocator to the device."""
         self._empty_cache()
 
+    def _misfit(self, buffer: Any, nbytes: int) -> str:
+        """What is wrong with ``_alloc``'s answer for ``nbytes`` (empty when nothing is)."""
+        if not isinstance(buffer, torch.Tensor):
+            return f"returned {type(buffer).__name__}, not a tensor"
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            return f"returned a {buffer.dim()}-d {buffer.dtype} tensor (contiguous: {buffer.is_contiguous()})"
+        if buffer.numel() != nbytes:
+            return f"returned {buffer.numel():,} bytes"
+        if buffer.device.type != self.device.type:
+            return f"returned a buffer on {buffer.device}"
+        if buffer.data_ptr() in self._live:
+            return f"returned memory at {buffer.data_ptr():#x}, where a live buffer of this allocator starts"
+        return ""
+
     @abc.abstractmethod
     def _alloc(self, nbytes: int) -> torch.Tensor: ...
 
@@ -136,27 +162,92 @@ class HostMemoryAllocator(Allocator):
     """Host memory for the ``pinned_host`` tier (page-locked, so device copies run asynchronously)
     and the ``host`` tier (pageable). Free and total come from ``/proc/meminfo`` where it exists."""
 
-    def __init__(self, pinned: bool, meminfo: str = "/proc/meminfo", name: str | None = None) -> None:
+    def __init__(
+        self, pinned: bool, meminfo: str = "/proc/meminfo", name: str | None = None, zoneinfo: str | None = None
+    ) -> None:
         super().__init__(name or ("pinned host allocator" if pinned else "host allocator"), "cpu")
         self.pinned = pinned
         self._meminfo = meminfo
+        # a recorded meminfo (tests, another machine's files) is read alone, never mixed with this machine's zones
+        self._zoneinfo = zoneinfo if zoneinfo is not None or meminfo != "/proc/meminfo" else "/proc/zoneinfo"
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def _mem_info(self) -> tuple[int, int]:
-        return host_memory(self._meminfo)
+        return host_memory(self._meminfo, self._zoneinfo)
+
+    def _empty_cache(self) -> None:
+        # torch keeps freed page-locked blocks in its host cache; only this gives them back to the OS
+        if self.pinned and torch.accelerator.is_available():
+            torch.accelerator.empty_host_cache()
 
 
-def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int, int]:
-    """``(available, total)`` bytes of host memory: MemAvailable and MemTotal, or ``sysconf`` without /proc."""
+class TorchDeviceAllocator(Allocator):
+    """Core's device allocator for a platform that brings none: torch's caching allocator of the
+    current accelerator (``torch.accelerator``), free and total from its driver.
+
+    Memory torch has cached but not handed out counts as free, since a new buffer reuses it first;
+    ``empty_cache`` gives it back to the driver.
+    """
+
+    def __init__(self, device: torch.device | str, name: str | None = None) -> None:
+        device = torch.device(device)
+        super().__init__(name or f"{device.type} allocator (core's default)", device)
+        self._index = device.index if device.index is not None else 0
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _mem_info(self) -> tuple[int, int]:
+        free, total = torch.accelerator.get_memory_info(self._index)
+        cached = torch.accelerator.memory_reserved(self._index) - torch.accelerator.memory_allocated(self._index)
+        return free + cached, total
+
+    def _empty_cache(self) -> None:
+        torch.accelerator.empty_cache()
+
+
+def default_allocator(device_type: str) -> Allocator | None:
+    """Core's allocator for the device tier of a platform whose plugins bring none.
+
+    Host memory for ``cpu``; torch's caching allocator for the current accelerator's device type;
+    ``None`` for any other device type (its plugin must provide one).
+    """
+    if device_type == "cpu":
+        return HostMemoryAllocator(pinned=False, name="host allocator (core's default)")
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None and accelerator.type == device_type:
+        return TorchDeviceAllocator(torch.device(device_type, 0))
+    return None
+
+
+def host_memory(meminfo: str = "/proc/meminfo", zoneinfo: str | None = "/proc/zoneinfo") -> tuple[int, int]:
+    """``(available, total)`` bytes of host memory, or ``sysconf``'s counts without /proc.
+
+    Available is MemAvailable plus the free pages parked on the kernel's per-CPU lists (``count``
+    of each pageset in /proc/zoneinfo), which MemAvailable leaves out: since Linux 6.7 those lists
+    grow to hundreds of MiB per CPU, so a freed buffer of that size would not show as free at all.
+    ``zoneinfo=None`` reads MemAvailable alone.
+    """
     try:
         with open(meminfo, encoding="ascii") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+        available, total = int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    per_cpu = _per_cpu_free_pages(zoneinfo) if zoneinfo is not None else 0
+    return min(total, available + per_cpu * os.sysconf("SC_PAGE_SIZE")), total
+
+
+def _per_cpu_free_pages(zoneinfo: str) -> int:
+    """Free pages on the per-CPU lists of every zone (the ``count:`` lines of /proc/zoneinfo's pagesets)."""
+    try:
+        with open(zoneinfo, encoding="ascii") as f:
+            return sum(int(line.split(":", 1)[1]) for line in f if line.strip().startswith("count:"))
+    except (OSError, ValueError):
+        return 0
 
 
 class Migrator(Protocol):

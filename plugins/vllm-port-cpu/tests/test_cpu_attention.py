@@ -101,3 +101,20 @@ def test_decode_of_an_empty_sequence_gives_zeros_like_the_reference(cap):
     args = (q, kc, vc, tables, lens, 0.2, 0, cap)
     assert paged_attention.check(attention.paged_attention.fn, args, torch.float32) is None
     assert not bool(attention.paged_attention.fn(*args)[1].any())
+
+
+@pytest.mark.parametrize("cap", [0.0, 30.0], ids=["sdpa", "soft cap"])
+def test_padded_sequences_read_nothing_of_their_stale_block_tables(cap):
+    """seq_lens 0 is graph capture's padding: zero rows, whatever the padded rows of the table hold (here: no block)."""
+    kc, vc, tables, lens = paged_batch([6, 11, 9], torch.bfloat16, extra_columns=1)
+    lens[1] = 0
+    tables[1] = 10**6  # a stale entry far outside the cache: reading it would raise
+    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    args = (q, kc, vc, tables, lens, 0.2, 0, cap)
+    assert paged_attention.check(attention.paged_attention.fn, args, torch.bfloat16) is None
+    # prefill: the padded sequence owns two padding tokens
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    q = torch.randn(9, 4, 32, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    args = (q, kc, vc, tables, cu, lens, 4, 0.2, 0, cap)
+    assert prefill_attention.check(attention.prefill_attention.fn, args, torch.bfloat16) is None
+    assert not bool(attention.prefill_attention.fn(*args)[3:5].any())

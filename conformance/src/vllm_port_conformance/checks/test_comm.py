@@ -1,8 +1,10 @@
-"""Comm contract: every collective and point-to-point call of the plugin's communicator, on 2 ranks.
+"""Comm contract: every collective and point-to-point call of the plugin's communicator, across ranks.
 
 The suite spawns the ranks itself (one spawn for every check, results sent back per check), on the
 platform's backend (gloo on CPU) with a short process-group timeout, so a broken call fails instead
-of hanging. The rank side lives in :mod:`vllm_port_conformance.comm_ranks`.
+of hanging. Two ranks where there are two devices (ranks of the host CPU share it); a world of one
+on a one-device machine (or with ``--vllm-port-devices 1``), where the checks that need a peer are
+recorded as out of scope. The rank side lives in :mod:`vllm_port_conformance.comm_ranks`.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from vllm_port.spawn import run_ranks
-from vllm_port_conformance.comm_ranks import DTYPES, run_checks
+from vllm_port_conformance.comm_ranks import DTYPES, MULTI_RANK_CHECKS, comm_world_size, run_checks
+from vllm_port_conformance.recorder import DEVICES_OPTION, out_of_scope
 
-WORLD_SIZE = 2
 TIMEOUT_S = 30.0
 
 _NAMES = [
@@ -31,26 +33,31 @@ _NAMES = [
 
 
 @pytest.fixture(scope="module")
-def comm_results(plugin):
+def comm_results(plugin, request) -> tuple[int, list[dict[str, str | None]]]:
+    """``(world size, each rank's results)`` of one spawn of every check."""
     plugin.require_device()
     desc, probe = plugin.record.description, plugin.record.probe
-    if desc.device_type != "cpu" and probe.device_count < WORLD_SIZE:
-        pytest.skip(
-            f"device absent: the comm checks need {WORLD_SIZE} {desc.device_type} devices, found {probe.device_count}"
-        )
-    return run_ranks(
+    try:
+        world = comm_world_size(desc.device_type, probe.device_count, request.config.getoption(DEVICES_OPTION, None))
+    except ValueError as exc:
+        raise pytest.UsageError(f"{DEVICES_OPTION}: {exc}") from exc
+    results = run_ranks(
         run_checks,
         desc,
-        WORLD_SIZE,
+        world,
         args=(plugin.record.name, desc.name),
         timeout_s=TIMEOUT_S,
         deadline_s=3 * TIMEOUT_S,
         device_count=probe.device_count,
     )
+    return world, results
 
 
 @pytest.mark.parametrize("check", _NAMES)
-def test_comm(comm_results, check):
-    for rank, results in enumerate(comm_results):
-        assert check in results, f"rank {rank} did not run {check}"
-        assert results[check] is None, results[check]
+def test_comm(comm_results, check, request):
+    world, results = comm_results
+    if world < 2 and check in MULTI_RANK_CHECKS:
+        out_of_scope(request.node, f"{check} needs 2 ranks on 2 devices; this run certifies 1 device")
+    for rank, got in enumerate(results):
+        assert check in got, f"rank {rank} did not run {check}"
+        assert got[check] is None, got[check]

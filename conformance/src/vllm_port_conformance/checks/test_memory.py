@@ -1,14 +1,202 @@
-"""Memory contract: the allocator keeps honest accounts, the block pool its invariants, migration its bits."""
+"""Memory contract: the allocator keeps honest accounts, the block pool its invariants, migration its bits.
+
+The allocator's books (``stats()``) are checked against what the platform itself reports: free
+memory (``mem_info()``: the driver's count on a device, ``/proc/meminfo`` for host memory) must fall
+by a large allocation and recover once it is freed; a freed buffer's storage must be gone after
+``empty_cache`` (nothing holds it), the process's resident memory must shrink for host tiers, and
+torch's cache must give it back to the driver for a device tier on torch's accelerator.
+
+Free host memory is a count over the whole machine: on a busy one, other processes start, exit and
+allocate between two readings. So the allocation is large (512 MiB), a fall and a rise each count
+when they are within half the buffer of its size, and each needs one such attempt in four; a
+``mem_info`` that does not follow allocations (a constant, a count in the wrong unit) shows none,
+and a leak is caught for certain by the storage check below. (Core's host allocator adds the free
+pages on the kernel's per-CPU lists to MemAvailable: without them a freed 512 MiB buffer showed as
+0-60% freed on Linux 6.18.)
+"""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
+import os
 import unittest
+import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from vllm_port.memory import KVLayout, MemoryContractError, OutOfMemoryError
+from vllm_port.memory import Allocator, KVLayout, MemoryContractError, OutOfMemoryError
 from vllm_port_conformance.pool_machine import pool_machine
+
+#: bytes of the allocation whose effect on free memory is measured: far above /proc/meminfo's
+#: usual drift between two readings, and quick to fill on two cores
+LARGE_HOST = 512 << 20
+LARGE_DEVICE = 1 << 30
+#: a fall or rise of free memory counts when it is within these fractions of the allocation
+FOLLOWS = (0.5, 1.5)
+ATTEMPTS = 4
+RELEASED_BYTES = 64 << 20  # above glibc's largest mmap threshold: freed host memory goes back to the OS
+
+
+def _who(plugin, tier: str, alloc: Allocator) -> str:
+    return f"plugin {plugin.record.name!r}, tier {tier!r}, allocator {alloc.name!r}"
+
+
+@contextlib.contextmanager
+def _naming(who: str) -> Iterator[None]:
+    """Turn an allocator's exception into a failure that names the plugin, tier and allocator."""
+    try:
+        yield
+    except AssertionError:
+        raise
+    except Exception as exc:
+        raise AssertionError(f"{who}: {type(exc).__name__}: {exc}") from exc
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def _rss() -> int:
+    """The process's resident bytes (0 where /proc is missing: the check then relies on the rest)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _torch_caches(device: torch.device, tier: str) -> bool:
+    """Whether ``tier``'s buffers come from torch's caching allocator of the current accelerator."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return tier == "device" and accelerator is not None and accelerator.type == device.type
+
+
+def _give_back(alloc: Allocator, held: list[torch.Tensor]) -> None:
+    """Free the buffer ``held`` holds and drop the last reference to it, then empty the allocator's cache."""
+    alloc.free(held.pop())
+    gc.collect()
+    alloc.empty_cache()
+
+
+def test_buffers_are_the_size_asked_and_disjoint(plugin):
+    """Every buffer holds exactly the bytes asked for, on the tier's device, and no two live buffers
+    share a byte, also when a freed buffer could be reused."""
+    runtime = plugin.runtime()
+    sizes = (4096, 3 * 4096 + 5, 4096, 1, 1 << 20, 4096)
+    for tier in runtime.platform.memory_tiers:
+        alloc = runtime.allocator(tier)
+        who = _who(plugin, tier, alloc)
+        with _naming(who):
+            for n in (4096, 1 << 20):  # something a caching allocator may hand out again
+                alloc.free(alloc.allocate(n))
+            buffers = [alloc.allocate(n) for n in sizes]
+        spans = []
+        for buf, n in zip(buffers, sizes, strict=True):
+            got = buf.numel() * buf.element_size()
+            assert got == n and buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous(), (
+                f"{who}: asked for {n} bytes, got a {buf.dim()}-d {buf.dtype} buffer of {got} bytes"
+            )
+            assert buf.device.type == (plugin.device.type if tier == "device" else "cpu"), f"{who}: on {buf.device}"
+            spans.append((buf.data_ptr(), buf.data_ptr() + n, n))
+        spans.sort()
+        for (start, end, n), (next_start, _, next_n) in itertools.pairwise(spans):
+            assert end <= next_start, (
+                f"{who}: two live buffers overlap: {n} bytes at {start:#x} and {next_n} bytes at {next_start:#x}"
+            )
+        for i, buf in enumerate(buffers):
+            buf.fill_(i + 1)
+        for i, buf in enumerate(buffers):
+            seen = torch.unique(buf).tolist()
+            assert seen == [i + 1], (
+                f"{who}: buffer {i} of {sizes[i]} bytes holds {seen}, not only {i + 1}: shared memory"
+            )
+        with _naming(who):
+            for buf in buffers:
+                alloc.free(buf)
+
+
+def _fall_and_recovery(alloc: Allocator, nbytes: int, device: torch.device) -> tuple[int, int]:
+    """Bytes free memory fell by when ``nbytes`` were allocated and written, and rose by once freed."""
+    before = alloc.mem_info()[0]
+    held = [alloc.allocate(nbytes)]
+    held[0].fill_(0x5A)  # host pages count only once written
+    _sync(device)
+    during = alloc.mem_info()[0]
+    _give_back(alloc, held)
+    _sync(device)
+    after = alloc.mem_info()[0]
+    return before - during, after - during
+
+
+def test_free_memory_falls_and_recovers_as_the_platform_reports(plugin):
+    runtime = plugin.runtime()
+    low, high = FOLLOWS
+    for tier in runtime.platform.memory_tiers:
+        alloc = runtime.allocator(tier)
+        who = _who(plugin, tier, alloc)
+        device = plugin.device if tier == "device" else torch.device("cpu")
+        with _naming(who):
+            free, _ = alloc.mem_info()
+            nbytes = min(LARGE_DEVICE if device.type != "cpu" else LARGE_HOST, free // 8)
+            attempts: list[tuple[int, int]] = []
+            while len(attempts) < ATTEMPTS:
+                attempts.append(_fall_and_recovery(alloc, nbytes, device))
+                fell = any(low * nbytes <= f <= high * nbytes for f, _ in attempts)
+                rose = any(low * nbytes <= r <= high * nbytes for _, r in attempts)
+                if fell and rose:
+                    break
+            else:
+                said = "; ".join(f"fell by {f:,}, rose by {r:,}" for f, r in attempts)
+                raise AssertionError(
+                    f"{who}: mem_info() does not follow the memory in use: for a written buffer of {nbytes:,} "
+                    f"bytes the free bytes it reports {said} ({ATTEMPTS} attempts; a fall and a rise of "
+                    f"{low:.0%}-{high:.0%} of the buffer must each show once). Report the platform's own free "
+                    "memory, in bytes, read at each call"
+                )
+
+
+def test_freed_buffers_are_released(plugin):
+    """After ``free`` and ``empty_cache`` nothing holds a buffer's storage, and the memory leaves the process
+    (host tiers) or torch's cache (a device tier on torch's accelerator)."""
+    runtime = plugin.runtime()
+    for tier in runtime.platform.memory_tiers:
+        alloc = runtime.allocator(tier)
+        who = _who(plugin, tier, alloc)
+        device = plugin.device if tier == "device" else torch.device("cpu")
+        cached = _torch_caches(device, tier)
+        with _naming(who):
+            _sync(device)
+            reserved_before = torch.accelerator.memory_reserved(device.index or 0) if cached else 0
+            held = [alloc.allocate(RELEASED_BYTES)]
+            held[0].fill_(1)
+            _sync(device)
+            storage = weakref.ref(held[0].untyped_storage())
+            rss_held = _rss()
+            _give_back(alloc, held)
+            _sync(device)
+        alive = storage() is not None  # a bool: pytest would print the storage's every byte
+        assert not alive, (
+            f"{who}: a freed buffer's storage is still alive after free() and empty_cache(): the allocator "
+            "keeps a reference to it (a leak, even if stats() says it is freed)"
+        )
+        if device.type == "cpu" and rss_held:
+            shrank = rss_held - _rss()
+            assert shrank >= RELEASED_BYTES // 2, (
+                f"{who}: the process's resident memory shrank by {shrank:,} bytes when a written buffer of "
+                f"{RELEASED_BYTES:,} bytes was freed; the memory was not given back"
+            )
+        if cached:
+            reserved = torch.accelerator.memory_reserved(device.index or 0)
+            assert reserved <= reserved_before + RELEASED_BYTES // 2, (
+                f"{who}: torch's caching allocator still reserves {reserved:,} bytes after free() and empty_cache() "
+                f"({reserved_before:,} before the {RELEASED_BYTES:,}-byte buffer); empty_cache must give cached "
+                "memory back to the driver"
+            )
 
 
 def test_allocation_accounting_returns_to_baseline(plugin):

@@ -1,7 +1,9 @@
 """Ops contract: every provider the plugin registers, over every dtype it claims, against the float64 reference.
 
 Cases are generated from the registry (see the plugin's ``pytest_generate_tests``): a provider
-added to a plugin is checked without anyone listing it here.
+added to a plugin is checked without anyone listing it here. Every sample runs, even after one
+fails, so a failure lists each case to replay; :meth:`vllm_port.ops.Op.check` says what each
+sample checks (values, error statistics, output layout, writes through views, padding).
 """
 
 from __future__ import annotations
@@ -12,9 +14,20 @@ import torch
 from vllm_port.errors import OpInputError
 from vllm_port.ops._custom import as_custom_op
 
+#: A failure message quotes at most this many characters of each failing case's problem.
+_PROBLEM_CHARS = 300
+
 
 def _who(provider, dtype) -> str:
     return f"plugin {provider.plugin!r}, provider {provider.name!r}, op {provider.op!r}, {dtype}"
+
+
+def _run_case(op, provider, sample, dtype) -> str | None:
+    """What is wrong with ``provider`` on ``sample``; an exception it raises is a failure of that case too."""
+    try:
+        return op.check(provider.fn, sample.args, dtype)
+    except Exception as exc:  # a provider that raises on a valid input fails the case, with the reason
+        return f"raised {type(exc).__name__}: {exc}"
 
 
 def test_provider_matches_reference(plugin, provider_case):
@@ -22,9 +35,16 @@ def test_provider_matches_reference(plugin, provider_case):
     plugin.require_device()
     op = plugin.discovery.registry.ops[provider.op]
     gen = torch.Generator().manual_seed(0)
-    for sample in op.samples(dtype, plugin.device, gen):
-        problem = op.check(provider.fn, sample.args, dtype)
-        assert problem is None, f"{_who(provider, dtype)}, case {sample.label!r}: {problem}"
+    samples = op.samples(dtype, plugin.device, gen)
+    failures = []
+    for sample in samples:
+        problem = _run_case(op, provider, sample, dtype)
+        if problem is not None:
+            failures.append(f"case {sample.label!r}: {problem[:_PROBLEM_CHARS]}")
+    if failures:  # raised, not asserted: the report's message is then this text alone
+        raise AssertionError(
+            f"{_who(provider, dtype)}: {len(failures)} of {len(samples)} cases fail: " + " | ".join(failures)
+        )
 
 
 def test_provider_refuses_error_inputs(plugin, provider_case):
@@ -38,7 +58,11 @@ def test_provider_refuses_error_inputs(plugin, provider_case):
 
 
 def test_provider_traces_as_a_custom_op(plugin, provider_case):
-    """torch.library.opcheck: schema, fake implementation and declared mutations agree with the kernel."""
+    """torch.library.opcheck: schema, fake implementation and declared mutations agree with the kernel.
+
+    Run on the first sample; output layout on every sample is checked by ``Op.check`` (contiguous,
+    as the op's fake implementation promises).
+    """
     provider, dtype = provider_case
     plugin.require_device()
     op = plugin.discovery.registry.ops[provider.op]

@@ -2,7 +2,7 @@
 
 For each op and token count, one run times: each provider the selected platform has (the
 reference included), the reference compiled by Inductor, and, for prefill attention, torch's
-SDPA flash path. Memory-bound ops are reported as achieved bandwidth against two ceilings measured
+SDPA through cuDNN and through the flash path. Memory-bound ops are reported as achieved bandwidth against two ceilings measured
 in the same run, a copy and a read-only stream (reads alone go faster than a copy); prefill
 attention and linear as TFLOP/s against the measured matrix-product rate. Every row has two times:
 ``ms`` with warm caches (graph replays or batches of launches, as a decode step runs), and
@@ -123,15 +123,23 @@ def workload(op: str, tokens: int, dtype: torch.dtype, device: torch.device) -> 
     raise ValueError(f"no benchmark workload for op {op!r}")
 
 
-def _sdpa_flash(args: tuple[Any, ...]) -> Callable[[], Any]:
-    """torch's SDPA flash path on the same causal problem, with K/V laid out contiguously for it."""
+#: torch's SDPA backends timed beside prefill attention, strongest first on Hopper (cuDNN's fused
+#: attention), each skipped with its reason where the build or device lacks it.
+SDPA_PEERS = {
+    "torch sdpa cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+    "torch sdpa flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+}
+
+
+def _sdpa(args: tuple[Any, ...], backend: torch.nn.attention.SDPBackend) -> Callable[..., Any]:
+    """torch's SDPA through one backend on the same causal problem, with K/V laid out contiguously for it."""
     query, tokens = args[0], args[6]
     q = query.transpose(0, 1)[None]
     k = torch.randn(1, HEADS, tokens, HEAD, device=query.device, dtype=query.dtype)
     v = torch.randn_like(k)
 
     def run(*_: Any) -> torch.Tensor:  # takes (and ignores) the op's arguments, like the other peers
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        with torch.nn.attention.sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     return run
@@ -183,7 +191,7 @@ def run(
             work = workload(op, tokens, dtype, dev)
             timed = dict(peers)
             if op == "prefill_attention":
-                timed["torch sdpa flash"] = _sdpa_flash(work.args)
+                timed.update({name: _sdpa(work.args, backend) for name, backend in SDPA_PEERS.items()})
             for name, fn in timed.items():
                 try:
                     ms, timing = _time(op, name, fn, work.args, runtime)

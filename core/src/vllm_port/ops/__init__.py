@@ -5,6 +5,9 @@ Plugins register providers through the ``vllm_port_providers`` hook; engines cal
     runtime = vllm_port.load()
     kernels = runtime.bind(torch.bfloat16)
     y = kernels.rms_norm(x, weight, 1e-6)
+
+A hand-written provider calls its op's input check first (``vllm_port.ops.checks``, also exported
+here: ``check_rms_norm`` and the like), so it refuses exactly what the reference refuses.
 """
 
 from __future__ import annotations
@@ -13,6 +16,20 @@ from ._op import ErrorInput, Op, SampleInput, Tolerance
 from ._registry import FLOAT_DTYPES, REFERENCE, BindContext, BoundOps, OpRegistry, Provider, provider
 from .activation import gelu_and_mul, silu_and_mul
 from .attention import paged_attention, prefill_attention, reshape_and_cache
+from .checks import (
+    INPUT_CHECKS,
+    check_embedding,
+    check_fused_add_rms_norm,
+    check_gelu_and_mul,
+    check_linear,
+    check_paged_attention,
+    check_prefill_attention,
+    check_reshape_and_cache,
+    check_rms_norm,
+    check_rotary_embedding,
+    check_sample,
+    check_silu_and_mul,
+)
 from .linear import embedding, linear
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import make_cos_sin_cache, rotary_embedding
@@ -36,6 +53,7 @@ ALL_OPS: tuple[Op, ...] = (
 __all__ = [
     "ALL_OPS",
     "FLOAT_DTYPES",
+    "INPUT_CHECKS",
     "REFERENCE",
     "BindContext",
     "BoundOps",
@@ -45,6 +63,17 @@ __all__ = [
     "Provider",
     "SampleInput",
     "Tolerance",
+    "check_embedding",
+    "check_fused_add_rms_norm",
+    "check_gelu_and_mul",
+    "check_linear",
+    "check_paged_attention",
+    "check_prefill_attention",
+    "check_reshape_and_cache",
+    "check_rms_norm",
+    "check_rotary_embedding",
+    "check_sample",
+    "check_silu_and_mul",
     "embedding",
     "fused_add_rms_norm",
     "gelu_and_mul",

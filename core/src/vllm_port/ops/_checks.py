@@ -28,3 +28,16 @@ def check_same(op: str, arg: str, value: torch.Tensor, like_arg: str, like: torc
         raise OpInputError(
             f"{op}: {arg} is on {value.device} but {like_arg} is on {like.device}; move them to one device"
         )
+
+
+def check_writable(op: str, arg: str, value: torch.Tensor) -> None:
+    """Require an argument the op writes in place to give every element its own memory.
+
+    Any strided view is fine; an expanded one (a stride of 0 over a dimension of size > 1) is not:
+    one write would land in several elements. Metadata only, no device synchronisation.
+    """
+    if any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape, strict=True)):
+        raise OpInputError(
+            f"{op}: {arg} is an expanded view (strides {value.stride()} for shape {tuple(value.shape)}) and the op "
+            f"writes it in place; pass a tensor whose elements each have their own memory (e.g. {arg}.clone())"
+        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -51,6 +51,12 @@ class Provider:
         supports: optional predicate on the bind context (capabilities, platform) for finer limits.
         platform: the platform it runs on; by default the registering plugin's platform.
         plugin: the plugin that registered it (set by the registry).
+        equivalence: for an op whose outputs are random draws (``sample``), how conformance
+            compares them with the reference's: ``"bitwise"`` (the default) reproduces the
+            reference's draws from the per-request seeds; ``"statistical"`` (a sampler with the
+            device's own generator) draws from the reference's distribution, checked by a
+            goodness-of-fit test, and must still be reproducible per request seed. See
+            :mod:`vllm_port.ops.sampling`. Ops with deterministic outputs ignore it.
     """
 
     op: str
@@ -61,6 +67,7 @@ class Provider:
     supports: Callable[[BindContext], bool] | None = None
     platform: str = ""
     plugin: str = ""
+    equivalence: Literal["bitwise", "statistical"] = "bitwise"
 
     def is_supported(self, ctx: BindContext) -> bool:
         """Whether this provider can serve the bind context (platform, dtype, predicate)."""

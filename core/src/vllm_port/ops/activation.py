@@ -19,12 +19,20 @@ def check_gated(op: str, x: torch.Tensor) -> int:
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` in ``x``'s dtype, with ``d = x.shape[-1] // 2``."""
-    d = check_gated("silu_and_mul", x)
-    return F.silu(x[..., :d]) * x[..., d:]
+    """``silu(x[..., :d]) * x[..., d:]`` in ``x``'s dtype, with ``d = x.shape[-1] // 2``.
+
+    ``x`` may be a strided view; the output is a new contiguous tensor.
+    """
+    d = check_silu_and_mul(x)
+    return (F.silu(x[..., :d]) * x[..., d:]).contiguous()
 
 
-def check_gelu_and_mul(x: torch.Tensor, approximate: str) -> int:
+def check_silu_and_mul(x: torch.Tensor) -> int:
+    """Refuse arguments outside ``silu_and_mul``'s contract; return the output width ``d``."""
+    return check_gated("silu_and_mul", x)
+
+
+def check_gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> int:
     """Refuse arguments outside ``gelu_and_mul``'s contract; return the output width ``d``."""
     d = check_gated("gelu_and_mul", x)
     if approximate not in ("none", "tanh"):
@@ -35,24 +43,32 @@ def check_gelu_and_mul(x: torch.Tensor, approximate: str) -> int:
 def gelu_and_mul_reference(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``gelu(x[..., :d], approximate) * x[..., d:]`` in ``x``'s dtype; ``approximate`` is ``"none"`` or ``"tanh"``."""
     d = check_gelu_and_mul(x, approximate)
-    return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+    return (F.gelu(x[..., :d], approximate=approximate) * x[..., d:]).contiguous()
 
 
 def _gated_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label: str, tokens: int, width: int) -> SampleInput:
-        return SampleInput(label, (torch.randn(tokens, 2 * width, generator=gen).to(device, dtype),))
+    def case(label: str, tokens: int, width: int, scale: float = 1.0) -> SampleInput:
+        return SampleInput(label, ((scale * torch.randn(tokens, 2 * width, generator=gen)).to(device, dtype),))
 
+    # gate and up halves as a slice of a wider row: rows 3 * 2 * 1536 elements apart
+    fused = (2 * torch.randn(4, 3 * 2 * 1536, generator=gen)).to(device, dtype)
     return [
         case("small", 5, 48),
         case("one token", 1, 128),
         case("llama3-8b decode", 4, 14336),
         case("llama3-8b prefill", 32, 14336),
+        case("qwen2.5-7b decode (width 18944)", 2, 18944, 2.0),
+        case("llama3-405b decode (width 53248)", 1, 53248, 2.0),
+        case("odd width 1001", 3, 1001, 3.0),
+        SampleInput("x a slice of a wider row", (fused[:, : 2 * 1536],)),
     ]
 
 
 def _gelu_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+    # "tanh" on every shape whose size is not the point, and on one wide row (the two differ by up to 1e-3)
     samples = _gated_samples(dtype, device, gen)
-    return samples + [SampleInput(s.label + ", tanh", (*s.args, "tanh")) for s in samples[:2]]
+    tanh = [s for s in samples if "llama3" not in s.label] + [samples[2]]
+    return samples + [SampleInput(s.label + ", tanh", (*s.args, "tanh")) for s in tanh]
 
 
 def _gated_errors(device: torch.device) -> list[ErrorInput]:
@@ -69,7 +85,7 @@ _GATED_TOLERANCES = {
 }
 
 
-def _gated_fake(x: torch.Tensor, *_: object) -> torch.Tensor:
+def _gated_fake(x: torch.Tensor, *_: object) -> torch.Tensor:  # contiguous, as every provider returns
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 

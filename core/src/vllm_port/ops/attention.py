@@ -7,6 +7,15 @@ The cache layout, shared by every provider: ``key_cache`` and ``value_cache`` ar
 including the ones being computed) and, for prefill, ``cu_seqlens_q`` (offsets of each sequence's
 query tokens in the packed batch). Query heads map to KV heads in groups (GQA):
 head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+Padding: graph capture runs a batch padded to a fixed size. A padded sequence has ``seq_lens[i] ==
+0``: its output rows are exactly zero, and neither its block-table row (stale entries, whatever
+the last batch left there) nor any cache slot is read for it. Slot -1 in ``slot_mapping`` is a
+padded token: nothing is written for it.
+
+Layout: ``query``, ``key``, ``value`` may be strided views (slices of a fused QKV projection), and
+so may the caches (``key_cache = kv[:, 0]`` of a ``[num_blocks, 2, block_size, ...]`` buffer);
+outputs are new contiguous tensors; the caches are written through their views only.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import math
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float, check_same
+from ._checks import check_float, check_same, check_writable
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 
 
@@ -81,6 +90,8 @@ def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) ->
     _check_int(op, "slot_mapping", slot_mapping, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise OpInputError(f"{op}: slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+    check_writable(op, "key_cache", key_cache)
+    check_writable(op, "value_cache", value_cache)
 
 
 def reshape_and_cache_reference(
@@ -90,7 +101,12 @@ def reshape_and_cache_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write token ``t``'s key and value into slot ``slot_mapping[t]`` of the caches; slot -1 skips the token."""
+    """Write token ``t``'s key and value into slot ``slot_mapping[t]`` of the caches.
+
+    Slot -1 marks a padded token: nothing is written for it, in any slot (slot 0 and the last slot
+    included). ``key`` and ``value`` may be views (slices of a fused QKV projection), and so may the
+    caches; only the slots named are written.
+    """
     check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
@@ -104,40 +120,61 @@ def reshape_and_cache_reference(
 # ------------------------------------------------------------------------------------------------
 
 
-def _gather(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from a paged cache: ``[length, kv_heads, head_size]``."""
+def _gather_padded(
+    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's cached tokens padded to the longest: ``[num_seqs, longest, kv_heads, head_size]``.
+
+    Also returns the ``[num_seqs, longest]`` mask of real tokens. Padding positions hold 0, whatever
+    the block table or the cache holds there (block 0 is indexed in their place).
+    """
     block_size = cache.shape[1]
-    blocks = block_row[: (length + block_size - 1) // block_size].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    longest = int(seq_lens.max()) if seq_lens.numel() else 0
+    pos = torch.arange(longest, device=cache.device)
+    real = pos[None, :] < seq_lens.long()[:, None]
+    blocks = torch.where(real, block_tables.long()[:, pos // block_size], 0)
+    tokens = cache[blocks, pos % block_size]
+    return tokens.masked_fill(~real[..., None, None], 0.0), real
 
 
 def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    query: torch.Tensor,
     q_pos: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int,
     soft_cap: float,
 ) -> torch.Tensor:
-    """Causal attention of queries at positions ``q_pos`` over keys ``0..len(k)-1``, in float32 (float64 stays)."""
-    compute = torch.promote_types(q.dtype, torch.float32)
-    group = q.shape[1] // k.shape[1]
-    k = k.to(compute).repeat_interleave(group, dim=1)
-    v = v.to(compute).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.to(compute), k) * scale
+    """Queries ``[num_seqs, q_len, num_heads, head_size]`` at positions ``q_pos`` ``[num_seqs, q_len]`` attend
+    causally to their sequence's cached keys; a query that sees no key (a position < 0) gets 0.
+
+    Scores, softmax and the PV product are in float32 (float64 stays); the probabilities are rounded
+    to the query's dtype before the PV product, as tensor-core kernels round them.
+    """
+    compute = torch.promote_types(query.dtype, torch.float32)
+    k, real = _gather_padded(key_cache, block_tables, seq_lens)
+    v, _ = _gather_padded(value_cache, block_tables, seq_lens)
+    kv_heads = k.shape[2]
+    q = query.to(compute).unflatten(2, (kv_heads, -1))  # [seq, query, kv head, group, dim]
+    scores = torch.einsum("sqngd,sknd->sngqk", q, k.to(compute)) * scale
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    k_pos = torch.arange(k.shape[0], device=q.device)
-    allowed = k_pos[None, :] <= q_pos[:, None]
+    k_pos = torch.arange(k.shape[1], device=query.device)
+    seen = real[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # [seq, query, key]
     if sliding_window > 0:
-        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        seen &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    seen = seen[:, None, None]  # broadcast over KV heads and the group
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    probs = torch.where(seen.any(dim=-1, keepdim=True), probs, 0.0).to(query.dtype).to(compute)
+    out = torch.einsum("sngqk,sknd->sqngd", probs, v.to(compute))
+    return out.flatten(2, 3).to(query.dtype)
 
 
 def check_paged_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap
+    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0, soft_cap=0.0
 ) -> None:
     """Refuse arguments outside ``paged_attention``'s contract."""
     op = "paged_attention"
@@ -170,19 +207,28 @@ def paged_attention_reference(
     ``query`` is ``[num_seqs, num_heads, head_size]``; the query is the sequence's last token
     (position ``seq_lens[i] - 1``), whose K/V are already in the cache. ``soft_cap > 0`` caps
     scores as ``soft_cap * tanh(score / soft_cap)``; ``sliding_window > 0`` keeps only the
-    ``sliding_window`` most recent tokens. Softmax in float32; output ``[num_seqs, num_heads, head_size]``.
+    ``sliding_window`` most recent tokens. Softmax in float32 (see :func:`_attend`); output
+    ``[num_seqs, num_heads, head_size]``. A padded sequence (``seq_lens[i] == 0``) gets zeros.
     """
     check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
-    out = torch.empty_like(query)
-    for i, length in enumerate(seq_lens.tolist()):
-        k, v = _gather(key_cache, block_tables[i], length), _gather(value_cache, block_tables[i], length)
-        pos = torch.tensor([length - 1], device=query.device)
-        out[i] = _attend(query[i : i + 1], k, v, pos, scale, sliding_window, soft_cap)[0]
-    return out
+    q_pos = (seq_lens.long() - 1)[:, None]  # the last token; -1 (sees nothing) for a padded sequence
+    out = _attend(
+        query[:, None], q_pos, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap
+    )
+    return out[:, 0].contiguous()
 
 
 def check_prefill_attention(
-    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale, sliding_window, soft_cap
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    cu_seqlens_q,
+    seq_lens,
+    max_query_len,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
 ) -> None:
     """Refuse arguments outside ``prefill_attention``'s contract."""
     op = "prefill_attention"
@@ -223,7 +269,9 @@ def prefill_attention_reference(
     the last ``q_len`` of its ``seq_lens[i]`` cached tokens: query ``j`` sits at position
     ``seq_lens[i] - q_len + j`` and sees keys up to that position. A prefix already in the cache
     (prefix caching, chunked prefill) is simply ``seq_lens[i] > q_len``. ``max_query_len`` bounds
-    every ``q_len`` (it sizes kernel grids without a device-to-host read). Output is ``query``'s shape.
+    every ``q_len`` (it sizes kernel grids without a device-to-host read). Output is ``query``'s shape;
+    ``query`` holds ``cu_seqlens_q[-1]`` tokens (not checked: that would read the device). A padded
+    sequence (``seq_lens[i] == 0``) may own query rows (padding tokens): they get zeros.
     """
     check_prefill_attention(
         query,
@@ -237,13 +285,20 @@ def prefill_attention_reference(
         sliding_window,
         soft_cap,
     )
-    out = torch.empty_like(query)
-    starts = cu_seqlens_q.tolist()
-    for i, length in enumerate(seq_lens.tolist()):
-        start, end = starts[i], starts[i + 1]
-        k, v = _gather(key_cache, block_tables[i], length), _gather(value_cache, block_tables[i], length)
-        pos = torch.arange(length - (end - start), length, device=query.device)
-        out[start:end] = _attend(query[start:end], k, v, pos, scale, sliding_window, soft_cap)
+    starts, lens = cu_seqlens_q.long(), seq_lens.long()
+    q_lens = starts[1:] - starts[:-1]
+    # queries laid out [sequence, row in it] (padded to the longest); row j sits at lens - q_lens + j
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=query.device), q_lens)
+    row = torch.arange(seq.shape[0], device=query.device) - starts[seq]
+    longest = int(q_lens.max()) if q_lens.numel() else 0
+    q = query.new_zeros((lens.shape[0], longest, *query.shape[1:]))
+    q[seq, row] = query[: seq.shape[0]]
+    j = torch.arange(longest, device=query.device)[None, :]
+    q_pos = torch.where((j < q_lens[:, None]) & (lens[:, None] > 0), lens[:, None] - q_lens[:, None] + j, -1)
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+    out[: seq.shape[0]] = _attend(
+        q, q_pos, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap
+    )[seq, row]
     return out
 
 
@@ -252,8 +307,13 @@ def prefill_attention_reference(
 # ------------------------------------------------------------------------------------------------
 
 
-def _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size):
-    """Caches with the sequences' blocks scattered at random, every slot no sequence owns set to NaN."""
+def _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size, interleaved=False):
+    """Caches with the sequences' blocks scattered at random, every slot no sequence owns set to NaN.
+
+    Unused block-table entries (and a padded sequence's whole row) point at a NaN block. With
+    ``interleaved``, the caches are ``kv[:, 0]`` and ``kv[:, 1]`` of one ``[num_blocks, 2, ...]``
+    buffer: views whose blocks are two blocks apart.
+    """
     need = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(need) + 2
     order = torch.randperm(num_blocks, generator=gen)
@@ -272,17 +332,38 @@ def _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size):
         )
     key_cache[~owned] = float("nan")
     value_cache[~owned] = float("nan")
+    if interleaved:
+        kv = torch.stack([key_cache, value_cache], dim=1).to(device, dtype)
+        key_cache, value_cache = kv[:, 0], kv[:, 1]
+    else:
+        key_cache, value_cache = key_cache.to(device, dtype), value_cache.to(device, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return key_cache.to(device, dtype), value_cache.to(device, dtype), tables.to(device), lens.to(device)
+    return key_cache, value_cache, tables.to(device), lens.to(device)
+
+
+def _queries(gen, device, dtype, tokens, heads, kv_heads, head_size, scale, fused):
+    """Random queries ``[tokens, heads, head_size]``; with ``fused``, a view into a [tokens, (heads + 2 * kv_heads) * head_size] QKV."""
+    q = scale * torch.randn(tokens, heads, head_size, generator=gen)
+    if not fused:
+        return q.to(device, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(device, dtype)
+    view = qkv[:, : heads * head_size].unflatten(-1, (heads, head_size))
+    view.copy_(q)
+    return view
 
 
 def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label, seq_lens, heads, kv_heads, head_size=64, block_size=16, window=0, cap=0.0):
-        kc, vc, tables, lens = _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size)
-        q = torch.randn(len(seq_lens), heads, head_size, generator=gen).to(device, dtype)
-        return SampleInput(label, (q, kc, vc, tables, lens, head_size**-0.5, window, cap))
+    def case(label, seq_lens, heads, kv_heads, head_size=64, block_size=16, window=0, cap=0.0, **kw):
+        kc, vc, tables, lens = _paged_batch(
+            gen, device, dtype, seq_lens, kv_heads, head_size, block_size, kw.get("interleaved", False)
+        )
+        q_scale, fused = kw.get("q_scale", 1.0), kw.get("fused", False)
+        q = _queries(gen, device, dtype, len(seq_lens), heads, kv_heads, head_size, q_scale, fused)
+        scale = kw.get("scale", head_size**-0.5)
+        return SampleInput(label, (q, kc, vc, tables, lens, scale, window, cap), kw.get("large", False))
 
     boundaries = [1, 15, 16, 17, 33]
+    batch = torch.randint(1, 81, (256,), generator=gen).tolist()
     return [
         case("block boundaries, gqa 1", boundaries, 4, 4),
         case("gqa 4", boundaries, 8, 2),
@@ -290,17 +371,36 @@ def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("sliding window 8", boundaries, 4, 2, window=8),
         case("soft cap 30", boundaries, 4, 2, cap=30.0),
         case("llama3-8b decode", [1, 129, 511, 1000], 32, 8, head_size=128),
-        case("longest context", [4096], 32, 8, head_size=128),
+        case("gqa 16", [5, 40, 77], 32, 2),
+        case("head size 80, block size 8", [7, 8, 9, 41], 4, 2, head_size=80, block_size=8),
+        case("head size 96, block size 32", [31, 32, 33, 100], 4, 2, head_size=96, block_size=32),
+        case("head size 256", [17, 60], 8, 2, head_size=256),
+        case("scale 0.3, not head_size ** -0.5", boundaries, 4, 2, scale=0.3),
+        # scores of standard deviation 4: a cap of 5 bends most of them
+        case("soft cap 5 on sharp scores", boundaries, 4, 2, cap=5.0, q_scale=4.0),
+        # Sharp softmax over long contexts, 8192 output elements: softmax in 16 bits loses precision here.
+        case("sharp attention", [64, 300, 517, 1000, 33, 129, 700, 1500], 8, 2, head_size=128, q_scale=4.0),
+        case("padded batch (seq_lens 0)", [17, 0, 33, 0], 4, 2),
+        case("query a slice of a fused qkv, interleaved caches", boundaries, 4, 2, fused=True, interleaved=True),
+        case("llama3-8b, 4096-token context", [4096], 32, 8, head_size=128, large=True),
+        case("contexts beyond 8k", [8200, 16411], 2, 1, large=True),
+        case("batch of 256 sequences", batch, 4, 1, large=True),
     ]
 
 
 def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label, q_lens, prefixes, heads, kv_heads, head_size=64, block_size=16, window=0, cap=0.0):
-        seq_lens = [p + q for p, q in zip(prefixes, q_lens, strict=True)]
-        kc, vc, tables, lens = _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size)
+    def case(label, q_lens, prefixes, heads, kv_heads, head_size=64, block_size=16, window=0, cap=0.0, **kw):
+        padded = kw.get("padded", ())  # sequences of seq_lens 0 that still own query rows (padding tokens)
+        seq_lens = [0 if i in padded else p + q for i, (p, q) in enumerate(zip(prefixes, q_lens, strict=True))]
+        kc, vc, tables, lens = _paged_batch(
+            gen, device, dtype, seq_lens, kv_heads, head_size, block_size, kw.get("interleaved", False)
+        )
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        q = torch.randn(sum(q_lens), heads, head_size, generator=gen).to(device, dtype)
-        return SampleInput(label, (q, kc, vc, tables, cu, lens, max(q_lens), head_size**-0.5, window, cap))
+        q_scale, fused = kw.get("q_scale", 1.0), kw.get("fused", False)
+        q = _queries(gen, device, dtype, sum(q_lens), heads, kv_heads, head_size, q_scale, fused)
+        scale = kw.get("scale", head_size**-0.5)
+        args = (q, kc, vc, tables, cu, lens, max(q_lens), scale, window, cap)
+        return SampleInput(label, args, kw.get("large", False))
 
     return [
         case("block boundaries, gqa 1", [1, 5, 16, 17], [0, 0, 0, 0], 4, 4),
@@ -309,28 +409,85 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
         case("sliding window 8", [20, 3], [0, 30], 4, 2, window=8),
         case("soft cap 30", [9, 17], [4, 0], 4, 2, cap=30.0),
         case("llama3-8b prefill", [128, 37], [0, 64], 32, 8, head_size=128),
+        case("gqa 16", [7, 20], [0, 5], 16, 1),
+        case("head size 80, block size 8", [9, 4], [7, 0], 4, 2, head_size=80, block_size=8),
+        case("head size 96, block size 32", [33, 5], [0, 40], 4, 2, head_size=96, block_size=32),
+        case("head size 256", [12, 5], [3, 20], 4, 2, head_size=256),
+        case("scale 0.3, not head_size ** -0.5", [9, 17], [4, 0], 4, 2, scale=0.3),
+        case("soft cap 5 on sharp scores", [9, 17], [4, 0], 4, 2, cap=5.0, q_scale=4.0),
+        case("sharp attention", [100, 37], [0, 200], 8, 2, q_scale=4.0),
+        case("padded sequences (seq_lens 0)", [5, 0, 3, 2], [4, 0, 0, 0], 4, 2, padded=(1, 3)),
+        case(
+            "query a slice of a fused qkv, interleaved caches",
+            [3, 8, 1],
+            [16, 21, 40],
+            4,
+            2,
+            fused=True,
+            interleaved=True,
+        ),
+        case("2048 tokens after a cached 1024-token prefix", [2048], [1024], 2, 1, large=True),
     ]
 
 
 def _cache_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label, tokens, num_blocks, block_size, kv_heads, head_size, skip=0):
+    def case(label, tokens, num_blocks, block_size, kv_heads, head_size, skip=0, ends_free=False, views=False):
         shape = (num_blocks, block_size, kv_heads, head_size)
-        kc, vc = (
-            torch.randn(shape, generator=gen).to(device, dtype),
-            torch.randn(shape, generator=gen).to(device, dtype),
-        )
-        slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-        slots[:skip] = -1
-        k = torch.randn(tokens, kv_heads, head_size, generator=gen).to(device, dtype)
-        v = torch.randn(tokens, kv_heads, head_size, generator=gen).to(device, dtype)
+        if views:  # caches kv[:, 0], kv[:, 1] of one buffer; key and value slices of a fused qkv
+            kv = torch.randn(num_blocks, 2, *shape[1:], generator=gen).to(device, dtype)
+            kc, vc = kv[:, 0], kv[:, 1]
+            qkv = torch.randn(tokens, 4 * kv_heads * head_size, generator=gen).to(device, dtype)
+            k = qkv[:, 2 * kv_heads * head_size : 3 * kv_heads * head_size].unflatten(-1, (kv_heads, head_size))
+            v = qkv[:, 3 * kv_heads * head_size :].unflatten(-1, (kv_heads, head_size))
+        else:
+            kc = torch.randn(shape, generator=gen).to(device, dtype)
+            vc = torch.randn(shape, generator=gen).to(device, dtype)
+            k = torch.randn(tokens, kv_heads, head_size, generator=gen).to(device, dtype)
+            v = torch.randn(tokens, kv_heads, head_size, generator=gen).to(device, dtype)
+        # with ends_free, no real token goes to slot 0 or the last slot: a padded token's stray write shows there
+        first, end = (1, num_blocks * block_size - 1) if ends_free else (0, num_blocks * block_size)
+        slots = first + torch.randperm(end - first, generator=gen)[:tokens]
+        slots[torch.randperm(tokens, generator=gen)[:skip]] = -1
         return SampleInput(label, (k, v, kc, vc, slots.to(device)))
 
     return [
         case("small", 10, 4, 16, 2, 64),
         case("padding slots -1", 12, 4, 16, 2, 64, skip=3),
+        case("padding slots -1, first and last slots untouched", 12, 4, 16, 2, 64, skip=4, ends_free=True),
+        case("block size 8, head size 80", 20, 6, 8, 2, 80, skip=2),
+        case("block size 32, head size 256", 40, 4, 32, 1, 256, skip=3),
+        case("key and value slices of a fused qkv, interleaved caches", 9, 4, 16, 2, 64, skip=2, views=True),
         case("llama3-8b decode", 64, 64, 16, 8, 128),
         case("llama3-8b prefill", 512, 64, 16, 8, 128),
     ]
+
+
+def _zero_rows(out: torch.Tensor, rows: torch.Tensor, what: str) -> str | None:
+    """``None`` when ``out[rows]`` is exactly zero; else what is not."""
+    if not isinstance(out, torch.Tensor) or not bool(rows.any()):
+        return None
+    got = out.detach().cpu()[rows.cpu()]
+    bad = got.ne(0) | got.isnan()
+    if not bool(bad.any()):
+        return None
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    return (
+        f"{int(bad.sum())} elements of the rows of {what} are not exactly 0 (first at {index} of those rows: "
+        f"{got[index].item():.6g}); a padded sequence's output is zero"
+    )
+
+
+def _decode_padding_zero(args: tuple, out: torch.Tensor) -> str | None:
+    return _zero_rows(out, args[4] == 0, "padded sequences (seq_lens 0)")
+
+
+def _prefill_padding_zero(args: tuple, out: torch.Tensor) -> str | None:
+    cu, lens = args[4].long().cpu(), args[5].cpu()
+    q_lens = cu[1:] - cu[:-1]
+    padded_token = torch.repeat_interleave(lens == 0, q_lens)
+    rows = torch.zeros(out.shape[0], dtype=torch.bool)
+    rows[: padded_token.shape[0]] = padded_token
+    return _zero_rows(out, rows, "padded sequences (seq_lens 0)")
 
 
 def _decode_errors(device: torch.device) -> list[ErrorInput]:
@@ -387,6 +544,9 @@ def _cache_errors(device: torch.device) -> list[ErrorInput]:
         ErrorInput("slot count mismatch", (k, k, kc, kc, slots[:2]), "2 slots for 3 tokens"),
         ErrorInput("float slots", (k, k, kc, kc, slots.float()), "slot_mapping must be"),
         ErrorInput("3-D cache", (k, k, kc[0], kc[0], slots), "num_blocks, block_size, num_kv_heads, head_size"),
+        ErrorInput(
+            "an expanded cache", (k, k, kc[:1].expand(4, -1, -1, -1), kc, slots), "key_cache is an expanded view"
+        ),
     ]
 
 
@@ -412,7 +572,8 @@ paged_attention = Op(
     tolerances=_ATTENTION_TOLERANCES,
     samples=_decode_samples,
     errors=_decode_errors,
-    fake=lambda query, *_args: torch.empty_like(query),
+    fake=lambda query, *_args: query.new_empty(query.shape),
+    invariant=_decode_padding_zero,
 )
 
 prefill_attention = Op(
@@ -421,5 +582,6 @@ prefill_attention = Op(
     tolerances=_ATTENTION_TOLERANCES,
     samples=_prefill_samples,
     errors=_prefill_errors,
-    fake=lambda query, *_args: torch.empty_like(query),
+    fake=lambda query, *_args: query.new_empty(query.shape),
+    invariant=_prefill_padding_zero,
 )

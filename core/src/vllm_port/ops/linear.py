@@ -24,12 +24,15 @@ def check_embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def embedding_reference(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Rows of ``weight`` for each id: ``[*input_ids.shape, hidden_size]``."""
+    """Rows of ``weight`` for each id: ``[*input_ids.shape, hidden_size]``, a new contiguous tensor.
+
+    ``weight`` may be a strided view (a slice of a wider table).
+    """
     check_embedding(input_ids, weight)
-    return weight[input_ids.long()]
+    return weight[input_ids.long()].contiguous()
 
 
-def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """Refuse arguments outside ``linear``'s contract."""
     check_float("linear", "x", x)
     check_float("linear", "weight", weight)
@@ -49,34 +52,53 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, accumulated in float32 or better, rounded to ``x``'s dtype."""
+    """``x @ weight.T + bias``, accumulated in float32 or better, rounded to ``x``'s dtype.
+
+    Every argument may be a strided view: ``weight`` in particular may be the transpose of an
+    ``[in_features, out_features]`` tensor. The output is a new contiguous tensor.
+    """
     check_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight, bias).contiguous()
 
 
 def _embedding_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label: str, tokens: int, vocab: int, hidden: int) -> SampleInput:
-        ids = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    def case(label: str, ids_shape: tuple[int, ...], vocab: int, hidden: int) -> SampleInput:
+        ids = torch.randint(0, vocab, ids_shape, generator=gen).to(device)
         return SampleInput(label, (ids, torch.randn(vocab, hidden, generator=gen).to(device, dtype)))
 
+    # the table as a column slice of a wider one (rows 2 * 96 elements apart), looked up by int32 ids
+    wide = torch.randn(300, 2 * 96, generator=gen).to(device, dtype)
+    ids = torch.randint(0, 300, (11,), generator=gen).to(device, torch.int32)
     return [
-        case("small", 9, 50, 32),
-        case("one token", 1, 1000, 64),
-        case("llama3-8b vocabulary, narrow rows", 16, 128256, 64),
+        case("small", (9,), 50, 32),
+        case("one token", (1,), 1000, 64),
+        case("llama3-8b vocabulary, narrow rows", (16,), 128256, 64),
+        case("a batch of id rows", (3, 5), 200, 48),
+        SampleInput("weight a slice of a wider table, int32 ids", (ids, wide[:, :96])),
     ]
 
 
 def _linear_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label: str, tokens: int, k: int, n: int, bias: bool) -> SampleInput:
+    def parts(tokens: int, k: int, n: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         x = torch.randn(tokens, k, generator=gen).to(device, dtype)
         w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)  # keeps outputs near unit scale
         b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
-        return SampleInput(label, (x, w, b))
+        return x, w, b
 
+    def case(label: str, tokens: int, k: int, n: int, bias: bool) -> SampleInput:
+        return SampleInput(label, parts(tokens, k, n, bias))
+
+    x, w, b = parts(5, 256, 384, True)
+    transposed = w.t().contiguous().t()  # stored [in_features, out_features], as some checkpoints keep it
+    wide_x = torch.randn(6, 3 * 512, generator=gen).to(device, dtype)[:, 512:1024]  # a slice of a wider row
     return [
         case("small", 7, 64, 48, False),
         case("small with bias", 7, 64, 48, True),
         case("llama3-8b qkv decode", 4, 4096, 6144, False),
+        # A long reduction: partial sums kept in 16 bits lose precision here.
+        case("in_features 16384 (llama3-405b)", 16, 16384, 512, False),
+        SampleInput("transposed weight (a view)", (x, transposed, b)),
+        SampleInput("x a slice of a wider row", (wide_x, parts(1, 512, 96, False)[1], None)),
     ]
 
 

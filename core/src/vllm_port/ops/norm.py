@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float, check_same
+from ._checks import check_float, check_same, check_writable
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 
 
@@ -33,13 +33,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, epsilon: float) ->
     """Root-mean-square norm over the last dimension, as Llama defines it.
 
     The mean of squares is taken in float32 (float64 for float64 input), the normalised value is
-    rounded to ``x``'s dtype, then scaled by ``weight``.
+    rounded to ``x``'s dtype, then scaled by ``weight``. ``x`` and ``weight`` may be strided views;
+    the output is a new contiguous tensor.
     """
     check_rms_norm(x, weight, epsilon)
     compute = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(compute)
     variance = xc.pow(2).mean(dim=-1, keepdim=True)
-    return (xc * torch.rsqrt(variance + epsilon)).to(x.dtype) * weight
+    return ((xc * torch.rsqrt(variance + epsilon)).to(x.dtype) * weight).contiguous()
 
 
 def check_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
@@ -51,6 +52,7 @@ def check_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: to
         raise OpInputError(
             f"fused_add_rms_norm: residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match"
         )
+    check_writable("fused_add_rms_norm", "residual", residual)
 
 
 def fused_add_rms_norm_reference(
@@ -59,6 +61,8 @@ def fused_add_rms_norm_reference(
     """Add ``x`` into ``residual`` in place (rounded to its dtype), then return ``rms_norm`` of the sum.
 
     This is a Llama decoder layer's ``residual = x + residual; h = norm(residual)`` in one pass.
+    ``residual`` may be a view (a slice of a wider buffer): it is updated through it, and nothing
+    else of its storage is written.
     """
     check_fused_add_rms_norm(x, residual, weight, epsilon)
     residual.add_(x)
@@ -66,28 +70,49 @@ def fused_add_rms_norm_reference(
 
 
 def _rms_norm_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label: str, tokens: int, hidden: int) -> SampleInput:
-        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
-        w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
-        return SampleInput(label, (x, w, 1e-6))
+    def rows(tokens: int, hidden: int, scale: float = 1.0) -> torch.Tensor:
+        return scale * torch.randn(tokens, hidden, generator=gen)
 
-    # Mean of squares ~1e-6 against epsilon 1e-2: a provider that drops or fixes epsilon is off 100x.
-    tiny = 1e-3 * torch.randn(3, 128, generator=gen)
-    weight = (1 + 0.1 * torch.randn(128, generator=gen)).to(device, dtype)
+    def case(label: str, x: torch.Tensor, epsilon: float = 1e-6) -> SampleInput:
+        w = (1 + 0.1 * torch.randn(x.shape[-1], generator=gen)).to(device, dtype)
+        return SampleInput(label, (x.to(device, dtype), w, epsilon))
+
+    # Hidden states carry a few channels hundreds of times larger than the rest ("massive
+    # activations"): in float16 their squares overflow (> 65504) unless the sum is taken in float32.
+    massive = rows(8, 8192)
+    massive[:, ::1024] = 1500.0 * torch.sign(torch.randn(8, 8, generator=gen))
+    # x as the first third of a wider row (a fused projection's output): rows 3 * 2048 elements apart
+    fused = rows(5, 3 * 2048).to(device, dtype)
     return [
-        case("small", 7, 64),
-        case("one token", 1, 256),
-        case("llama3-8b decode", 4, 4096),
-        case("llama3-8b prefill", 64, 4096),
-        SampleInput("epsilon dominates", (tiny.to(device, dtype), weight, 1e-2)),
+        case("small", rows(7, 64)),
+        case("one token", rows(1, 256)),
+        case("llama3-8b decode", rows(4, 4096)),
+        case("llama3-8b prefill", rows(64, 4096)),
+        # Mean of squares ~1e-6 against epsilon 1e-2: a provider that drops or fixes epsilon is off 100x.
+        case("epsilon dominates", rows(3, 128, 1e-3), 1e-2),
+        # Wide rows stress accumulation: a sum of squares kept in 16 bits loses precision there.
+        case("llama3-70b rows (8192 features)", rows(16, 8192)),
+        case("llama3-405b rows (16384 features)", rows(4, 16384)),
+        case("odd row width 12345", rows(4, 12345)),
+        case("large-magnitude rows", massive),
+        # Mean of squares 0.0025 against epsilon 1e-3: epsilon moves every output by a fifth.
+        case("epsilon 1e-3 at 8192 features", rows(4, 8192, 0.05), 1e-3),
+        SampleInput(
+            "x a slice of a wider row", (fused[:, :2048], (1 + 0.1 * rows(1, 2048)[0]).to(device, dtype), 1e-6)
+        ),
     ]
 
 
 def _fused_add_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    return [
-        SampleInput(s.label, (s.args[0], torch.randn(s.args[0].shape, generator=gen).to(device, dtype), *s.args[1:]))
-        for s in _rms_norm_samples(dtype, device, gen)
-    ]
+    samples = []
+    for s in _rms_norm_samples(dtype, device, gen):
+        x = s.args[0]
+        if x.is_contiguous():
+            residual = torch.randn(x.shape, generator=gen).to(device, dtype)
+        else:  # the residual stream as a view too, updated in place through it
+            residual = torch.randn(x.shape[0], 2 * x.shape[1], generator=gen).to(device, dtype)[:, x.shape[1] :]
+        samples.append(SampleInput(s.label, (x, residual, *s.args[1:])))
+    return samples
 
 
 def _rms_norm_errors(device: torch.device) -> list[ErrorInput]:
@@ -114,6 +139,11 @@ def _fused_add_errors(device: torch.device) -> list[ErrorInput]:
             "residual of another dtype", (x, x.half(), torch.ones(8, device=device), 1e-6), "cast them to one dtype"
         ),
         ErrorInput("weight of wrong length", (x, x.clone(), torch.ones(7, device=device), 1e-6), "weight has shape"),
+        ErrorInput(
+            "residual an expanded view",
+            (x, torch.zeros(8, device=device).expand(2, 8), torch.ones(8, device=device), 1e-6),
+            "residual is an expanded view",
+        ),
     ]
 
 
@@ -129,7 +159,7 @@ rms_norm = Op(
     tolerances=_NORM_TOLERANCES,
     samples=_rms_norm_samples,
     errors=_rms_norm_errors,
-    fake=lambda x, weight, epsilon: torch.empty_like(x),
+    fake=lambda x, weight, epsilon: x.new_empty(x.shape),
 )
 
 fused_add_rms_norm = Op(
@@ -139,5 +169,5 @@ fused_add_rms_norm = Op(
     samples=_fused_add_samples,
     errors=_fused_add_errors,
     mutates=("residual",),
-    fake=lambda x, residual, weight, epsilon: torch.empty_like(x),
+    fake=lambda x, residual, weight, epsilon: x.new_empty(x.shape),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float, check_same
+from ._checks import check_float, check_same, check_writable
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 
 
@@ -47,6 +47,8 @@ def check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_n
         )
     if not isinstance(is_neox, bool):
         raise OpInputError(f"{op}: is_neox must be a bool (True: rotate halves, False: GPT-J interleaved pairs)")
+    check_writable(op, "query", query)
+    check_writable(op, "key", key)
 
 
 def rotary_embedding_reference(
@@ -63,6 +65,10 @@ def rotary_embedding_reference(
     NeoX style (``is_neox``) pairs feature ``i`` with ``i + rotary_dim / 2``; GPT-J style pairs
     ``2i`` with ``2i + 1``. Features past ``rotary_dim`` (partial rotary) are left as they are.
     The rotation is computed in float32 and rounded once to the input's dtype.
+
+    ``query`` and ``key`` may be views (slices of a fused QKV projection, ``[tokens, heads,
+    head_size]`` or ``[tokens, heads * head_size]`` with rows further apart than their length):
+    they are rotated through the views, and nothing else of their storage is written.
     """
     check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
     rot = cos_sin_cache.shape[-1]
@@ -88,12 +94,28 @@ def make_cos_sin_cache(
 
 
 def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+    tables: dict[int, torch.Tensor] = {}
+
+    def table(rot: int) -> torch.Tensor:
+        if rot not in tables:
+            tables[rot] = make_cos_sin_cache(8192, rot).to(device)
+        return tables[rot]
+
     def case(label: str, tokens: int, heads: int, kv_heads: int, head_size: int, rot: int, neox: bool) -> SampleInput:
         positions = torch.randint(0, 8192, (tokens,), generator=gen).to(device)
         q = torch.randn(tokens, heads * head_size, generator=gen).to(device, dtype)
         k = torch.randn(tokens, kv_heads * head_size, generator=gen).to(device, dtype)
-        cache = make_cos_sin_cache(8192, rot).to(device)
-        return SampleInput(label, (positions, q, k, head_size, cache, neox))
+        return SampleInput(label, (positions, q, k, head_size, table(rot), neox))
+
+    def fused_qkv(label: str, three_d: bool, neox: bool) -> SampleInput:
+        """query and key as slices of one [tokens, (heads + 2 * kv_heads) * head_size] projection."""
+        tokens, heads, kv_heads, head_size = 6, 4, 2, 64
+        positions = torch.randint(0, 8192, (tokens,), generator=gen).to(device, torch.int32)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(device, dtype)
+        q, k = qkv[:, : heads * head_size], qkv[:, heads * head_size : (heads + kv_heads) * head_size]
+        if three_d:
+            q, k = q.unflatten(-1, (heads, head_size)), k.unflatten(-1, (kv_heads, head_size))
+        return SampleInput(label, (positions, q, k, head_size, table(head_size), neox))
 
     return [
         case("small neox", 5, 4, 2, 64, 64, True),
@@ -102,6 +124,11 @@ def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> 
         case("partial rotary gpt-j", 3, 4, 4, 64, 16, False),
         case("llama3-8b decode", 4, 32, 8, 128, 128, True),
         case("llama3-8b prefill", 64, 32, 8, 128, 128, True),
+        case("head size 80, partial rotary 32 (phi-2)", 5, 4, 4, 80, 32, True),
+        case("head size 96, gpt-j", 5, 4, 2, 96, 96, False),
+        case("head size 256 (gemma)", 4, 8, 4, 256, 256, True),
+        fused_qkv("query and key slices of a fused qkv", False, True),
+        fused_qkv("[tokens, heads, head_size] views of a fused qkv, gpt-j", True, False),
     ]
 
 
@@ -115,6 +142,7 @@ def _errors(device: torch.device) -> list[ErrorInput]:
         ErrorInput("rotary dim above head size", (pos, q, k, 32, cache, True), "rotary_dim even and <= head_size"),
         ErrorInput("key of another dtype", (pos, q, k.half(), 64, cache, True), "cast them to one dtype"),
         ErrorInput("is_neox not a bool", (pos, q, k, 64, cache, 1), "is_neox must be a bool"),
+        ErrorInput("key an expanded view", (pos, q, k[:1].expand(2, 64), 64, cache, True), "key is an expanded view"),
     ]
 
 

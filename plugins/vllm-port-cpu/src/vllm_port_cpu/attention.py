@@ -10,6 +10,10 @@ Cache slots past a sequence's end may hold anything, NaN included, and a masked 
 a matmul. So the gather never reads them: a padding position reads the sequence's own first token
 instead (finite data it owns), and the mask gives it probability exactly 0. That costs nothing
 extra, where zeroing the gathered K/V would be one more pass over both.
+
+A padded sequence (``seq_lens[i] == 0``, graph capture's batch padding) owns no token and its
+block-table row may hold stale entries: it gathers slot 0 of block 0 instead of anything its row
+names, and its output rows are set to exactly zero afterwards (whatever that slot holds).
 """
 
 from __future__ import annotations
@@ -69,15 +73,23 @@ def _gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions ``0 .. blocks * block_size - 1`` of every sequence's K and V: ``[num_seqs, kv_heads, len, head_size]``.
 
-    Positions at or past ``lens`` read position 0 instead, so only slots the sequence owns are read.
+    Whole blocks are gathered (one ``index_select`` per cache: a copy of contiguous block rows,
+    several times faster than indexing token by token); a block the sequence does not own (past its
+    end, or any block of a padded sequence) reads block 0 instead of its table entry. Positions at
+    or past ``lens`` may then hold anything, NaN included, so they are set to exactly 0 in the
+    gathered copy: masked scores and probabilities then meet only finite values.
     """
+    num_seqs = block_tables.shape[0]
     block_size = key_cache.shape[1]
-    pos = torch.arange(blocks * block_size, device=lens.device)[None, :]
-    pos = torch.where(pos < lens[:, None], pos, 0)  # [num_seqs, len]
-    index = (block_tables.long().gather(1, pos // block_size), pos % block_size)  # (block, offset) per position
-    # one index op per cache for all sequences, then widened; K^T and V as views for the matmuls
-    k, v = (cache[index].to(compute).transpose(1, 2) for cache in (key_cache, value_cache))
-    return k, v
+    owned = torch.arange(blocks, device=lens.device)[None, :] * block_size < lens[:, None]  # [num_seqs, blocks]
+    table = torch.where(owned, block_tables[:, :blocks].long(), 0).reshape(-1)
+    invalid = (torch.arange(blocks * block_size, device=lens.device)[None, :] >= lens[:, None])[:, :, None, None]
+    out = []
+    for cache in (key_cache, value_cache):
+        gathered = cache.index_select(0, table).view(num_seqs, blocks * block_size, *cache.shape[2:])
+        # a fresh tensor either way (index_select's output, or its widened copy): safe to fill in place
+        out.append(gathered.to(compute).masked_fill_(invalid, 0.0).transpose(1, 2))
+    return out[0], out[1]
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,7 +137,7 @@ def paged_attention(
         out = _soft_capped(q, k, v, allowed, float(scale), float(soft_cap))
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=_additive(allowed, compute), scale=float(scale))
-    # an empty sequence (seq_lens 0) sees no key: 0, as the reference gives, whatever its slots hold
+    # a padded sequence (seq_lens 0) sees no key: exactly 0, whatever the slot it gathered holds
     out.masked_fill_((lens == 0)[:, None, None, None], 0.0)
     return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
 
@@ -189,4 +201,6 @@ def prefill_attention(
     else:
         mask = _additive(allowed, compute)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=float(scale), enable_gqa=True)
+    # the query rows of a padded sequence (seq_lens 0) see no key: exactly 0, whatever it gathered
+    out.masked_fill_((lens == 0)[:, None, None, None], 0.0)
     return out.transpose(1, 2)[seq_id, row].to(query.dtype)

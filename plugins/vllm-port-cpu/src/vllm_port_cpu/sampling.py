@@ -3,7 +3,8 @@
 Branch-free: whether any row uses top-k or top-p lives in tensors, and reading it would be a host
 read, so every row goes through the same sort. The noise is the contract's shared
 :func:`~vllm_port.ops.sampling.gumbel_noise`, and the arithmetic before the argmax is the
-reference's, so the same seeds draw the same tokens as the reference.
+reference's (scores divided in float32), so the same seeds draw the same tokens as the reference:
+a bitwise sampler, the default equivalence conformance holds it to.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ tokens top-k and top-p keep, the noise a hash of ``(seed, token id)``. Here:
 
 No value is read on the host: the grid comes from shapes alone, so the call can be captured in a
 CUDA graph, and the number of splits is a runtime argument, so batch sizes do not recompile.
+
+A bitwise sampler (the default equivalence): the keep decisions and scores are the reference's
+bit for bit, and only ``tl.log`` may round the noise a few ulps away from torch's ``log``, which
+the contract's score margin allows (see :mod:`vllm_port.ops.sampling`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,221 @@
+"""Mutants of the memory and platform parts: allocators that lie and probes that hang.
+
+An allocator and a probe are one per platform, so each mutant is a platform plugin of its own (one
+``vllm-port certify`` run each). The plugins register no providers, so their runs do only the
+platform, memory and comm checks (plus three skips of the op checks, which alone would refuse them;
+each mutant's own check must fail as well, naming the plugin). Every plugin is a host-memory "device"
+like the CPU platform, with one planted bug.
+"""
+
+from __future__ import annotations
+
+from certify_helpers import Mutant, MutantGroup
+
+#: The hooks every mutant shares: a host-memory platform named after the plugin.
+_PLATFORM = """
+import threading
+import time
+
+import torch
+
+from vllm_port import DeviceInfo, PlatformDescription, ProbeResult, hookimpl
+from vllm_port.memory import HostMemoryAllocator, host_memory
+
+NAME = {name!r}
+
+
+@hookimpl
+def vllm_port_api_range():
+    return ">=1.0,<2"
+
+
+@hookimpl
+def vllm_port_platform_describe():
+    return PlatformDescription(name=NAME, device_type="cpu", priority=1, dist_backend="gloo")
+"""
+
+_PROBE = """
+@hookimpl
+def vllm_port_platform_probe():
+    return ProbeResult(True, "host memory as a test device", (DeviceInfo("test device", host_memory()[1], "test"),))
+"""
+
+_ALLOCATOR_HOOK = """
+@hookimpl
+def vllm_port_allocator(platform):
+    return Allocator() if platform.name == NAME else None
+"""
+
+
+def _allocator_plugin(name: str, allocator: str) -> str:
+    return _PLATFORM.format(name=name) + _PROBE + allocator + _ALLOCATOR_HOOK
+
+
+def _probe_plugin(name: str, probe: str) -> str:
+    return _PLATFORM.format(name=name) + probe
+
+
+LEAK = '''
+class Allocator(HostMemoryAllocator):
+    """Frees lazily: a freed buffer waits in a list to be released at a quiet moment."""
+
+    def __init__(self):
+        super().__init__(pinned=False, name="lazy-free allocator")
+        self._to_release = []
+
+    def _free(self, buffer):
+        self._to_release.append(buffer)  # BUG: the quiet moment never comes; the books say freed, the storage lives
+'''
+
+STALE_INFO = '''
+class Allocator(HostMemoryAllocator):
+    """Reads /proc/meminfo once, at start-up, to save a file read per call."""
+
+    def __init__(self):
+        super().__init__(pinned=False, name="snapshot allocator")
+        self._info = host_memory()
+
+    def _mem_info(self):
+        return self._info  # BUG: free memory frozen at start-up, whatever is allocated since
+'''
+
+SHORT = '''
+class Allocator(HostMemoryAllocator):
+    """Hands out whole 4 KiB pages."""
+
+    def __init__(self):
+        super().__init__(pinned=False, name="page allocator")
+
+    def _alloc(self, nbytes):
+        pages = max(1, nbytes // 4096)  # BUG: rounds down, not up: an odd size loses its tail
+        return torch.empty(pages * 4096, dtype=torch.uint8)[:nbytes]
+'''
+
+SHARED = '''
+class Allocator(HostMemoryAllocator):
+    """Keeps freed buffers by size and hands them out again (a caching allocator)."""
+
+    def __init__(self):
+        super().__init__(pinned=False, name="reusing allocator")
+        self._cached = {}
+
+    def _alloc(self, nbytes):
+        cached = self._cached.get(nbytes)
+        if cached:
+            return cached[-1]  # BUG: meant pop(): the buffer stays cached and is handed out again while live
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _free(self, buffer):
+        self._cached.setdefault(buffer.numel(), []).append(buffer)
+
+    def _empty_cache(self):
+        self._cached.clear()
+'''
+
+NO_EMPTY = '''
+class Allocator(HostMemoryAllocator):
+    """Keeps freed buffers by size and hands them out again (a caching allocator)."""
+
+    def __init__(self):
+        super().__init__(pinned=False, name="caching allocator")
+        self._cached = {}
+
+    def _alloc(self, nbytes):
+        cached = self._cached.get(nbytes)
+        return cached.pop() if cached else torch.empty(nbytes, dtype=torch.uint8)
+
+    def _free(self, buffer):
+        self._cached.setdefault(buffer.numel(), []).append(buffer)
+
+    def _empty_cache(self):
+        for blocks in self._cached.values():
+            blocks.clear  # BUG: the call's parentheses are missing: empty_cache releases nothing
+'''
+
+HANG = """
+@hookimpl
+def vllm_port_platform_probe():
+    threading.Event().wait()  # BUG: waits on a driver lock that nobody releases
+    return ProbeResult(False, "never reached")
+"""
+
+SLOW_FIRST = """
+_ready = False
+
+
+@hookimpl
+def vllm_port_platform_probe():
+    global _ready
+    if not _ready:  # BUG: the first probe starts the vendor's runtime (a lazy import), which takes a minute
+        time.sleep(60)
+        _ready = True
+    return ProbeResult(True, "host memory as a test device", (DeviceInfo("test device", host_memory()[1], "test"),))
+"""
+
+
+def _group(name: str, source: str, bug: str, bug_class: str, check: str, *message: str) -> MutantGroup:
+    return MutantGroup(name, source, (Mutant(name, bug, bug_class, check, tuple(message)),))
+
+
+GROUPS: list[MutantGroup] = [
+    _group(
+        "mem-leak",
+        _allocator_plugin("mem-leak", LEAK),
+        "free() updates the books but keeps every freed buffer alive in a list (a leak)",
+        "memory",
+        "test_memory::test_freed_buffers_are_released",
+        "still alive after free() and empty_cache()",
+        "allocator 'lazy-free allocator'",
+    ),
+    _group(
+        "mem-stale-info",
+        _allocator_plugin("mem-stale-info", STALE_INFO),
+        "mem_info() answers the free memory read once at start-up (constant)",
+        "memory",
+        "test_memory::test_free_memory_falls_and_recovers_as_the_platform_reports",
+        "mem_info() does not follow the memory in use",
+        "fell by 0, rose by 0",
+    ),
+    _group(
+        "mem-short",
+        _allocator_plugin("mem-short", SHORT),
+        "allocate() rounds an odd size down to whole 4 KiB pages: a buffer smaller than asked",
+        "memory",
+        "test_memory::test_buffers_are_the_size_asked_and_disjoint",
+        "_alloc(12,293) returned 12,288 bytes",
+    ),
+    _group(
+        "mem-shared",
+        _allocator_plugin("mem-shared", SHARED),
+        "a caching allocator hands out a cached buffer without taking it off its list: two live allocations share it",
+        "memory",
+        "test_memory::test_buffers_are_the_size_asked_and_disjoint",
+        "where a live buffer of this allocator starts",
+    ),
+    _group(
+        "mem-no-empty",
+        _allocator_plugin("mem-no-empty", NO_EMPTY),
+        "a caching allocator whose empty_cache() releases nothing (a call without its parentheses)",
+        "memory",
+        "test_memory::test_freed_buffers_are_released",
+        "still alive after free() and empty_cache()",
+        "allocator 'caching allocator'",
+    ),
+    _group(
+        "probe-hang",
+        _probe_plugin("probe-hang", HANG),
+        "the probe waits forever on a lock",
+        "probe",
+        "test_platform::test_plugin_loaded_without_error",
+        "vllm_port_platform_probe did not answer within the 5 s limit",
+    ),
+    _group(
+        "probe-slow-first",
+        _probe_plugin("probe-slow-first", SLOW_FIRST),
+        "the first probe of a process takes a minute (a lazy start-up); repeated probes are instant",
+        "probe",
+        "test_platform::test_first_probe_of_a_fresh_process_is_within_the_limit",
+        "the first probe of a fresh process took",
+        "over the 5 s probe limit",
+    ),
+]
