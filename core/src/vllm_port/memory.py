@@ -180,7 +180,18 @@ class HostMemoryAllocator(Allocator):
     def _empty_cache(self) -> None:
         # torch keeps freed page-locked blocks in its host cache; only this gives them back to the OS
         if self.pinned and torch.accelerator.is_available():
-            torch.accelerator.empty_host_cache()
+            _empty_host_cache()
+
+
+def _empty_host_cache() -> None:
+    """Give torch's cached page-locked blocks back to the OS.
+
+    torch 2.13 names this ``torch.accelerator.empty_host_cache``; from 2.5 to 2.12 it exists only as
+    the private ``torch._C._host_emptyCache`` (the GPU machine has torch 2.11).
+    """
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 class TorchDeviceAllocator(Allocator):
