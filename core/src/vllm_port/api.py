@@ -4,6 +4,11 @@ Core exports :data:`API_VERSION` (``MAJOR.MINOR``). A plugin answers ``vllm_port
 comma-separated list of clauses such as ``">=1.0,<2"``; each clause is one of ``==``, ``!=``, ``>=``,
 ``<=``, ``>``, ``<`` followed by ``MAJOR[.MINOR]``. A minor version adds to the contract, a major
 version changes it.
+
+History: 1.0 the platform, ops, memory and comm hooks; 1.1 adds optional hooks: compilation
+(``vllm_port_graph_passes``, ``vllm_port_compile_backend``) and the reclaimer
+(``vllm_port_reclaimer``). A plugin that implements a 1.1 hook declares ``">=1.1,<2"``; plugins of
+``">=1.0,<2"`` keep loading unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable
 
 __all__ = ["API_VERSION", "ApiRange"]
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 
 _CLAUSE = re.compile(r"^\s*(==|!=|>=|<=|>|<)\s*(\d+)(?:\.(\d+))?\s*$")
 _COMPARE: dict[str, Callable[[tuple[int, int], tuple[int, int]], bool]] = {

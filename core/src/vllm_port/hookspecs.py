@@ -17,11 +17,16 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
     from .comm import Collectives, PointToPoint
+    from .flat.passes import GraphPass
     from .graph import GraphCapture
     from .memory import Allocator, BlockPoolFactory, Migrator
     from .ops import Provider
     from .platform import PlatformDescription, ProbeResult
+    from .reclaimer import Reclaimer
 
 PROJECT = "vllm_port"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -126,9 +131,13 @@ def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
 
     :param platform: the selected platform.
     :return: an :class:`vllm_port.memory.Allocator`, or ``None`` when this plugin has none for it.
+        When no plugin answers, core serves its default (:func:`vllm_port.memory.default_allocator`:
+        host memory for ``cpu``, torch's caching allocator for torch's current accelerator); a
+        platform on any other device type must answer.
 
     Calling rule: first non-``None`` result wins, in pluggy's order (``tryfirst`` first, then the
-    last registered plugin first), so a plugin may replace the allocator alone.
+    last registered plugin first), so a plugin may replace the allocator alone. The runtime asks
+    once and keeps the answer: one allocator per tier per runtime.
     """
 
 
@@ -182,6 +191,72 @@ def vllm_port_collectives(platform: PlatformDescription) -> Collectives | None:
         (``torch.distributed`` with the platform's backend) in place.
 
     Calling rule: first non-``None`` result wins; replacing it leaves point-to-point untouched.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Compilation (contract API 1.1)
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def vllm_port_graph_passes(platform: PlatformDescription) -> list[GraphPass] | None:
+    """Contribute rewrites of flat graphs (fusions of this plugin's own, or substitutions its kernels pay for).
+
+    A pass is a :class:`vllm_port.flat.passes.GraphPass`: a name and ``fn(module, context) -> int``
+    that rewrites the aten-level ``torch.fx`` graph in place and returns how many times it fired.
+    ``context.ops`` maps each contract op to the custom op a new node should call, so a pass builds
+    contract nodes bound to the platform's providers; a pass may also insert the plugin's own
+    ``torch.library`` ops. Passes run on every flat graph (eager and compiled alike) after core's
+    fusions, so they must keep the graph's results within the ops' tolerances.
+
+    :param platform: the selected platform; return ``None`` or ``[]`` for platforms the passes do not serve.
+    :return: the passes, in the order they run.
+
+    Calling rule: collect-all, in plugin load order; optional (API 1.1). A pass that raises or
+    returns something other than a count stops the compilation with an error naming the plugin.
+    """
+
+
+@hookspec(firstresult=True)
+def vllm_port_compile_backend(platform: PlatformDescription) -> str | Callable[..., Any] | None:
+    """Name the compiler that compiles the pieces of ``platform``'s flat graphs under the ``vllm_port`` backend.
+
+    The ``vllm_port`` torch.compile backend runs the fusion passes, splits the graph at attention
+    and hands each piece between to this compiler. Without an answer it uses
+    ``PlatformDescription.compile_backend`` (``"none"`` there: the platform has no code generator
+    and models run eagerly with its kernels).
+
+    :param platform: the selected platform.
+    :return: a registered torch.compile backend name (``"inductor"``, a vendor's), a callable
+        ``(graph_module, example_inputs) -> callable`` as torch.compile backends are, ``"none"``
+        to leave the pieces uncompiled, or ``None`` to leave the choice to the platform description.
+
+    Calling rule: first non-``None`` result wins; optional (API 1.1).
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Memory: the reclaimer (contract API 1.1)
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vllm_port_reclaimer(platform: PlatformDescription) -> Reclaimer | None:
+    """Provide the policy that decides what gives way when ``platform``'s KV-cache pool runs short.
+
+    The engine's scheduler asks the reclaimer, with device-free facts
+    (:class:`vllm_port.reclaimer.MemoryPressure`), which cached blocks to evict and which running
+    requests to preempt, each by swap or by recompute; it checks the answer
+    (:func:`vllm_port.reclaimer.check_plan`: only cached-free blocks, only candidate requests, swaps
+    that fit, enough freed when it can be) and carries it out. The reclaimer never touches the pool.
+
+    :param platform: the selected platform.
+    :return: a :class:`vllm_port.reclaimer.Reclaimer` (an object with ``plan(pressure) -> ReclaimPlan``),
+        or ``None`` to leave core's :class:`~vllm_port.reclaimer.DefaultReclaimer` in place.
+
+    Calling rule: first non-``None`` result wins, so a plugin may replace the reclaimer alone;
+    optional (API 1.1). A plan that breaks the rules stops the engine with an error naming the plugin.
     """
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vllm_port import PlatformDescription, ProbeResult, hookimpl
@@ -12,10 +14,13 @@ from vllm_port.ops import Provider
 from . import ops, platform
 from .memory import CudaAllocator
 
+if TYPE_CHECKING:
+    from vllm_port.flat.passes import GraphPass
+
 
 @hookimpl
 def vllm_port_api_range() -> str:
-    return ">=1.0,<2"
+    return ">=1.1,<2"  # 1.1: the compilation hooks below
 
 
 @hookimpl
@@ -48,3 +53,12 @@ def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | Non
     from .graph import CudaGraphCapture
 
     return CudaGraphCapture() if platform.name == "cuda" else None
+
+
+@hookimpl
+def vllm_port_graph_passes(platform: PlatformDescription) -> list[GraphPass] | None:
+    if platform.name != "cuda":
+        return None
+    from .fusions import graph_passes  # imports triton: only when flat graphs are built
+
+    return graph_passes()

@@ -1,0 +1,148 @@
+"""A model on a platform, run as flat graphs: eagerly with the bound kernels, or through ``torch.compile``.
+
+:class:`FlatModel` traces the model's prefill and decode steps once each (shapes symbolic in the
+batch), runs the fusion passes (core's and the plugins'), and then serves ``forward`` like the
+model itself does. Compilation is optional: ``compile=None`` compiles where the platform names a
+compiler (``PlatformDescription.compile_backend``; ``"none"`` means it has none) and otherwise runs
+the same graphs eagerly, each node its bound provider, at full correctness. Decode steps can
+additionally be captured per batch size (:meth:`FlatModel.capture_decode`) on platforms that
+offer graph capture, compiled or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..graph import GraphCapture
+from .backend import NO_COMPILER, VllmPortBackend, resolve_compiler
+from .capture import DecodeGraphs
+from .graph import FlatGraph, traceable_ops
+from .passes import apply_passes
+from .trace import PHASES, StepInputs, graph_inputs, step_function, trace
+
+__all__ = ["FlatModel"]
+
+
+class FlatModel:
+    """``model`` run as flat graphs on ``runtime``'s platform; see the module docstring.
+
+    :param model: a flat model (``vllm_port.models.LlamaModel``).
+    :param dtype: the dtype to bind ops for (default: the model's).
+    :param compile: ``True`` compiles with the ``vllm_port`` backend, ``False`` runs eagerly,
+        ``None`` compiles only where the platform has a compiler.
+    :param passes: run the fusion passes (both modes).
+    :param block_size: the KV cache's block size.
+    :param compiler: the compiler for the pieces (default: the plugin's, else the platform's).
+    :param compile_trivial: compile pieces that hold only contract ops and views too (see
+        :mod:`vllm_port.flat.backend`; by default they run as traced).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        runtime: Any,
+        dtype: torch.dtype | None = None,
+        *,
+        compile: bool | None = None,
+        passes: bool = True,
+        block_size: int = 16,
+        compiler: str | Callable[..., Any] | None = None,
+        compile_trivial: bool = False,
+    ) -> None:
+        self.model = model
+        self.runtime = runtime
+        self.dtype = dtype or getattr(model, "dtype", torch.float32)
+        self.kernels = runtime.bind(self.dtype)
+        self.passes = passes
+        self.block_size = block_size
+        self.compiler = resolve_compiler(runtime, compiler)
+        has_compiler = not (isinstance(self.compiler, str) and self.compiler in NO_COMPILER)
+        self.compiled = has_compiler if compile is None else compile
+        self.backend = VllmPortBackend(runtime, self.dtype, self.compiler, passes, compile_trivial=compile_trivial)
+        self._graphs: dict[str, FlatGraph] = {}
+        self._steps: dict[str, Callable[..., Any]] = {}
+
+    @property
+    def mode(self) -> str:
+        """``"compiled"`` or ``"eager"``."""
+        return "compiled" if self.compiled else "eager"
+
+    def graph(self, phase: str) -> FlatGraph:
+        """The flat graph of ``phase`` (``"decode"`` or ``"prefill"``), after the passes when they are on."""
+        if phase not in self._graphs:
+            graph = trace(self.model, self.kernels, phase=phase, block_size=self.block_size)
+            self._graphs[phase] = apply_passes(graph, self.runtime) if self.passes else graph
+        return self._graphs[phase]
+
+    def _step(self, phase: str) -> Callable[..., Any]:
+        if phase not in self._steps:
+            if self.compiled:
+                ops = traceable_ops(self.kernels)
+                fn = step_function(self.model, ops, phase, self.model.config.num_layers, StepInputs)
+                self._steps[phase] = torch.compile(fn, backend=self.backend, fullgraph=True)
+            else:
+                self._steps[phase] = self.graph(phase)
+        return self._steps[phase]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any], meta: Any) -> Any:
+        """Hidden states after the final norm, as ``model.forward`` returns them (``meta.is_decode`` picks the graph)."""
+        phase = PHASES[0] if meta.is_decode else PHASES[1]
+        with torch.no_grad():
+            return self._step(phase)(*graph_inputs(input_ids, positions, kv_caches, meta))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of ``hidden`` (the model's LM head, bound kernels)."""
+        return self.model.compute_logits(self.kernels, hidden)
+
+    def decode_step(self, kv_caches: Sequence[Any]) -> Callable[..., torch.Tensor]:
+        """``step(input_ids, positions, slot_mapping, block_tables, seq_lens) -> logits`` over ``kv_caches``."""
+        run = self._step("decode")
+        caches = [t for pair in kv_caches for t in pair]
+        cu_seqlens: dict[torch.device, torch.Tensor] = {}
+
+        def step(input_ids, positions, slot_mapping, block_tables, seq_lens):
+            n = seq_lens.shape[0]
+            if seq_lens.device not in cu_seqlens or cu_seqlens[seq_lens.device].shape[0] < n + 1:
+                # decode reads no cu_seqlens_q; one static tensor keeps the step free of allocations
+                cu_seqlens[seq_lens.device] = torch.arange(max(n + 1, 2), dtype=torch.int32, device=seq_lens.device)
+            cu = cu_seqlens[seq_lens.device][: n + 1]
+            with torch.no_grad():
+                hidden = run(input_ids, positions, slot_mapping, block_tables, seq_lens, cu, 1, *caches)
+                return self.compute_logits(hidden)
+
+        return step
+
+    def capture_decode(
+        self,
+        kv_caches: Sequence[Any],
+        batch_sizes: Sequence[int],
+        max_blocks_per_seq: int,
+        capture: GraphCapture | None = None,
+    ) -> DecodeGraphs:
+        """Decode steps over ``kv_caches`` captured at ``batch_sizes`` (see :class:`DecodeGraphs`).
+
+        :param capture: the graph capture to use (default: the platform's).
+        :raises ValueError: when the platform has no graph capture and none is given.
+        """
+        capture = capture or self.runtime.graph_capture()
+        if capture is None:
+            raise ValueError(
+                f"platform {self.runtime.platform.name!r} has no graph capture (PlatformDescription.graph_capture "
+                "is False); run decode steps through FlatModel.forward instead"
+            )
+        device = kv_caches[0][0].device
+        step = self.decode_step(kv_caches)
+        if self.compiled:  # compile every captured size before capturing: compilation must not be captured
+            for size in sorted(set(batch_sizes)):
+                self._warm(step, size, max_blocks_per_seq, device)
+        return DecodeGraphs(step, capture, batch_sizes, max_blocks_per_seq, device)
+
+    @staticmethod
+    def _warm(step: Callable[..., Any], size: int, max_blocks: int, device: torch.device) -> None:
+        ids = torch.zeros(size, dtype=torch.int64, device=device)
+        slots = torch.full((size,), -1, dtype=torch.int64, device=device)
+        tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
+        step(ids, ids.clone(), slots, tables, torch.zeros(size, dtype=torch.int32, device=device))
