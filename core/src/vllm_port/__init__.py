@@ -20,6 +20,16 @@ from .hookspecs import hookimpl
 from .platform import DeviceInfo, PlatformDescription, ProbeResult
 from .runtime import Runtime, load
 
+
+def __getattr__(name: str) -> object:
+    # the engine (models, tokenizers) loads on first use, so `import vllm_port` stays light for plugins
+    if name in ("LLM", "SamplingParams"):
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'vllm_port' has no attribute {name!r}")
+
+
 try:
     __version__ = version("vllm-port")
 except PackageNotFoundError:  # running from a source tree without installing
@@ -27,6 +37,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "API_VERSION",
+    "LLM",
     "ApiRange",
     "ApiVersionError",
     "DeviceInfo",
@@ -36,6 +47,7 @@ __all__ = [
     "ProbeResult",
     "ProviderRejectedError",
     "Runtime",
+    "SamplingParams",
     "SelectionError",
     "VllmPortError",
     "__version__",

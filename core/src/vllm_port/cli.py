@@ -49,6 +49,59 @@ def _bench_swap(args: argparse.Namespace) -> int:
     return swap.main(json_path=args.json, device_name=args.device)
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from .errors import VllmPortError
+    from .flat.inspect import dumps, inspect_graphs, render
+    from .models import load_config, load_model
+    from .runtime import load
+
+    try:
+        runtime = load(device=args.device)
+        dtype = load_config(args.model_dir).dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = load_model(args.model_dir, runtime.device, dtype)
+        phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
+        report = inspect_graphs(model, runtime, dtype, phases, passes=not args.no_passes)
+    except VllmPortError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(dumps(report) if args.json else render(report, str(args.model_dir), graph_text=args.graph))
+    return 0
+
+
+def _bench_model(args: argparse.Namespace) -> int:
+    from .bench import model
+
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",") if args.modes else model.MODES
+    return model.main(
+        args.device,
+        args.shape,
+        args.layers,
+        batches,
+        args.context,
+        modes,
+        args.dtype,
+        args.json,
+        args.fast,
+        args.rounds,
+        args.threads,
+    )
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from .bench import engine
+
+    return engine.main(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.command import run
+
+    return run(args)
+
+
 def _certify(args: argparse.Namespace) -> int:
     try:
         from vllm_port_conformance import certify
@@ -62,7 +115,7 @@ def _certify(args: argparse.Namespace) -> int:
     if (args.plugin is None) == (args.verify is None):
         print("error: give either a PLUGIN to certify or --verify REPORT.json", file=sys.stderr)
         return 2
-    return certify.main(args.plugin, args.report, args.json, args.waivers, args.verify)
+    return certify.main(args.plugin, args.report, args.json, args.waivers, args.verify, devices=args.devices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +146,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--waivers", default=None, metavar="FILE", help="TOML waiver file (default: conformance/waivers.toml)"
     )
     certify.add_argument("--verify", default=None, metavar="REPORT", help="check a report.json's digest and contents")
+    certify.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="certify for N devices: checks that need more are out of the report's scope (default: every one found)",
+    )
     certify.set_defaults(run=_certify)
+
+    inspect = commands.add_parser(
+        "inspect", help="a model's flat graph: each node's op, bound provider, shapes, layer; fusions fired"
+    )
+    inspect.add_argument("model_dir", help="a Hugging Face model directory (config.json + safetensors)")
+    inspect.add_argument("--device", default=None, help="platform to bind for (default: the selected one)")
+    inspect.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="default: the checkpoint's"
+    )
+    inspect.add_argument("--phase", default="both", choices=["both", "decode", "prefill"], help="graphs to show")
+    inspect.add_argument("--graph", action="store_true", help="print each graph's stable text form, not a table")
+    inspect.add_argument("--no-passes", action="store_true", help="the graph as traced, before fusion passes")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object (the decode graph at the top)")
+    inspect.set_defaults(run=_inspect)
+
+    generate = commands.add_parser("generate", help="generate text with the engine (default: the bundled model)")
+    from .engine.command import add_arguments as add_generate_arguments  # light: no model code loads
+
+    add_generate_arguments(generate)
+    generate.set_defaults(run=_generate)
 
     bench = commands.add_parser("bench", help="benchmarks (not tests): see docs/results/")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
@@ -126,6 +206,31 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
     comm.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message in bytes (default 64 MB)")
     comm.set_defaults(run=_bench_comm)
+    bench_model = bench_kinds.add_parser(
+        "model",
+        help="decode-step time of a Llama-shaped model: eager, compiled, graph-captured, beside transformers",
+    )
+    bench_model.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
+    bench_model.add_argument(
+        "--shape", default="auto", choices=["auto", "llama3-8b", "small"], help="auto: llama3-8b on a GPU, small on CPU"
+    )
+    bench_model.add_argument("--layers", type=int, default=None, help="fewer layers of the shape (default: all)")
+    bench_model.add_argument("--batches", default="1,64", help="comma-separated batch sizes (default 1,64)")
+    bench_model.add_argument("--context", type=int, default=1024, help="tokens in each sequence's cache (default 1024)")
+    bench_model.add_argument("--modes", default=None, help="comma-separated modes (default: all)")
+    bench_model.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bench_model.add_argument("--fast", action="store_true", help="fewer timing repeats (a smoke run)")
+    bench_model.add_argument("--rounds", type=int, default=5, help="timing rounds over all modes (default 5)")
+    bench_model.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    bench_model.add_argument("--json", default=None, help="write the results to this JSON file")
+    bench_model.set_defaults(run=_bench_model)
+    bench_engine = bench_kinds.add_parser(
+        "engine", help="offline throughput of LLM.generate beside transformers and vLLM on one workload"
+    )
+    from .bench.engine import add_arguments as add_engine_arguments  # light: torch only
+
+    add_engine_arguments(bench_engine)
+    bench_engine.set_defaults(run=_bench_engine)
     return parser
 
 

@@ -15,9 +15,10 @@ from .comm import Collectives, Communicator, PointToPoint
 from .discovery import Discovery, PluginRecord, discover, first_result
 from .errors import MemoryContractError, PluginError, SelectionError
 from .graph import GraphCapture
-from .memory import Allocator, BlockPoolFactory, HostMemoryAllocator, KVCache, KVLayout, Migrator
+from .memory import Allocator, BlockPoolFactory, HostMemoryAllocator, KVCache, KVLayout, Migrator, default_allocator
 from .ops import BindContext, BoundOps, OpRegistry
 from .platform import PlatformDescription
+from .reclaimer import DefaultReclaimer, Reclaimer
 
 __all__ = ["Runtime", "load", "parse_provider_preferences", "select"]
 
@@ -71,6 +72,10 @@ def parse_provider_preferences(spec: str | None) -> dict[str, str]:
 class Runtime:
     """A selected platform and everything bound to it.
 
+    The memory parts are one per runtime: every call of ``allocator(tier)`` answers the same
+    allocator (so its accounts cover every buffer of the tier), and every call of ``migrator()`` the
+    same migrator (so its guard sees every copy in flight).
+
     Attributes:
         discovery: every plugin's record and the op registry.
         selected: the chosen platform's record; ``reason`` says why it was chosen.
@@ -80,6 +85,11 @@ class Runtime:
         self.discovery = discovery
         self.selected = selected
         self.reason = reason
+        self._allocators: dict[str, Allocator] = {}
+        self._migrator: Migrator | None = None
+        self._reclaimer: Reclaimer | None = None
+        #: the plugin whose reclaimer answered (``"vllm-port"``: core's default), once ``reclaimer()`` ran
+        self.reclaimer_plugin = ""
 
     @property
     def platform(self) -> PlatformDescription:
@@ -113,13 +123,21 @@ class Runtime:
         return self.registry.bind(self.bind_context(dtype), prefer, traceable)
 
     def allocator(self, tier: str = "device") -> Allocator:
-        """The allocator of one of the selected platform's memory tiers.
+        """The allocator of one of the selected platform's memory tiers; the same object on every call.
 
-        ``device`` comes from the platform's plugin; core serves ``pinned_host`` and ``host``
+        ``device`` comes from the platform's plugin, or from core when no plugin answers
+        (:func:`~vllm_port.memory.default_allocator`: host memory on ``cpu``, torch's caching
+        allocator on the current accelerator); core serves ``pinned_host`` and ``host``
         (:class:`~vllm_port.memory.HostMemoryAllocator`) for platforms that declare them.
 
         :raises MemoryContractError: for a tier the platform does not declare, or one core cannot serve.
+        :raises PluginError: when no plugin answers for the device tier and core has no default for it.
         """
+        if tier not in self._allocators:
+            self._allocators[tier] = self._build_allocator(tier)
+        return self._allocators[tier]
+
+    def _build_allocator(self, tier: str) -> Allocator:
         if tier not in self.platform.memory_tiers:
             raise MemoryContractError(
                 f"platform {self.platform.name!r} has no memory tier {tier!r}; "
@@ -133,10 +151,18 @@ class Runtime:
                 "device, pinned_host and host allocators"
             )
         plugin, allocator = first_result(self.discovery.manager, "vllm_port_allocator", platform=self.platform)
+        if allocator is None:
+            allocator = default_allocator(self.platform.device_type)
+            if allocator is None:
+                raise PluginError(
+                    f"platform {self.platform.name!r} has no allocator: no plugin answered vllm_port_allocator, and "
+                    f"core's default serves only cpu and torch's current accelerator, not {self.platform.device_type!r}; "
+                    "implement vllm_port_allocator in the platform's plugin"
+                )
         if not isinstance(allocator, Allocator):
             raise PluginError(
-                f"platform {self.platform.name!r} has no allocator: no plugin answered vllm_port_allocator with an "
-                f"Allocator (got {allocator!r}{' from ' + plugin if plugin else ''})"
+                f"platform {self.platform.name!r}: plugin {plugin!r} answered vllm_port_allocator with {allocator!r}, "
+                "not a vllm_port.memory.Allocator"
             )
         return allocator
 
@@ -151,7 +177,13 @@ class Runtime:
         return factory
 
     def migrator(self) -> Migrator:
-        """The selected platform's migrator between memory tiers (core's ``TorchMigrator`` by default)."""
+        """The selected platform's migrator between memory tiers (core's ``TorchMigrator`` by default);
+        the same object on every call, so one copy in flight guards its blocks against every caller."""
+        if self._migrator is None:
+            self._migrator = self._build_migrator()
+        return self._migrator
+
+    def _build_migrator(self) -> Migrator:
         plugin, migrator = first_result(self.discovery.manager, "vllm_port_migrator", platform=self.platform)
         if not callable(getattr(migrator, "copy_blocks", None)):
             raise PluginError(
@@ -159,6 +191,24 @@ class Runtime:
                 f"{' from ' + plugin if plugin else ''}, which has no copy_blocks"
             )
         return migrator
+
+    def reclaimer(self) -> Reclaimer:
+        """The selected platform's reclaimer: a plugin's answer to ``vllm_port_reclaimer``, else core's
+        :class:`~vllm_port.reclaimer.DefaultReclaimer`; the same object on every call.
+
+        :raises PluginError: when a plugin answers with something that has no ``plan`` method.
+        """
+        if self._reclaimer is None:
+            plugin, reclaimer = first_result(self.discovery.manager, "vllm_port_reclaimer", platform=self.platform)
+            if reclaimer is None:
+                reclaimer, plugin = DefaultReclaimer(), "vllm-port"
+            if not callable(getattr(reclaimer, "plan", None)):
+                raise PluginError(
+                    f"platform {self.platform.name!r}: plugin {plugin!r} answered vllm_port_reclaimer with "
+                    f"{reclaimer!r}, which has no plan(pressure) method (see vllm_port.reclaimer.Reclaimer)"
+                )
+            self._reclaimer, self.reclaimer_plugin = reclaimer, plugin
+        return self._reclaimer
 
     def kv_cache(self, layout: KVLayout, budget: float | int, tier: str = "device") -> KVCache:
         """The paged KV cache of ``layout`` in ``budget`` (a fraction of free memory, or bytes) in ``tier``.
@@ -191,13 +241,15 @@ class Runtime:
         return Communicator(p2p, coll)
 
 
-def load(plugins: str | None = None, device: str | None = None) -> Runtime:
+def load(plugins: str | None = None, device: str | None = None, probe_timeout_s: float | None = None) -> Runtime:
     """Discover installed plugins and select a platform.
 
     :param plugins: allow/deny list, as ``VLLM_PORT_PLUGINS`` (``"cpu,cuda"`` or ``"-xpu"``).
     :param device: platform to use, as ``VLLM_PORT_DEVICE``; the best available one when unset.
+    :param probe_timeout_s: seconds each plugin's probe may take, as ``VLLM_PORT_PROBE_TIMEOUT``
+        (5 s by default); a probe that takes longer leaves its platform unavailable.
     :raises SelectionError: for an unknown plugin or platform name, or when none is available.
     """
-    discovery = discover(plugins)
+    discovery = discover(plugins, probe_timeout_s=probe_timeout_s)
     selected, reason = select(discovery, device)
     return Runtime(discovery, selected, reason)

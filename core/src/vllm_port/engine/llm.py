@@ -1,0 +1,422 @@
+"""``LLM`` and ``SamplingParams``: the user API, as vLLM users know it.
+
+::
+
+    from vllm_port import LLM, SamplingParams
+
+    llm = LLM(model="path/to/model")                       # discover hardware, load, size the KV cache
+    for out in llm.generate(["The sea", "Once upon"], SamplingParams(temperature=0, max_tokens=32)):
+        print(out.outputs[0].text, out.outputs[0].finish_reason)
+    for delta in llm.stream("The sea", SamplingParams(max_tokens=32)):   # tokens as they are produced
+        print(delta.text, end="", flush=True)
+
+Bad requests do not stop a batch: a prompt that is empty, too long for ``max_model_len``, or holds
+token ids outside the vocabulary (or is text when the model has no tokenizer) gets an output with
+``finish_reason == "error"`` and the message in ``error``, and every other request runs. Bad
+sampling parameters are the caller's code, not data: ``SamplingParams`` refuses them when made,
+and ``generate`` checks them again before running anything (``ValueError``). A model directory that
+cannot be loaded raises :class:`~vllm_port.errors.ModelLoadError` from ``LLM(...)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import os
+import random
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data import bundled_model_dir
+from ..errors import VllmPortError
+from ..models import load_config
+from ..ops import FLOAT_DTYPES
+from ..runtime import Runtime, load
+from .runner import ModelRunner, StepFunction
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence as Seq
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["LLM", "CompletionOutput", "EngineError", "RequestOutput", "StreamOutput"]
+
+#: A prompt: text (needs the model's tokenizer.json) or token ids.
+Prompt = str | Sequence[int]
+
+
+class EngineError(VllmPortError):
+    """The engine cannot go on (a step scheduled nothing while requests wait); a bug, reported with the state."""
+
+
+@dataclass
+class CompletionOutput:
+    """What a request generated.
+
+    Attributes:
+        index: the request's position in the ``generate`` call.
+        text: the generated text (empty without a tokenizer), cut before a stop string.
+        token_ids: the generated token ids (a stop token, or the token completing a stop string, included).
+        finish_reason: ``"stop"``, ``"length"``, ``"error"`` or ``"abort"``.
+        error: what was wrong with the request, when ``finish_reason == "error"``.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One request's prompt and its (single) completion, as vLLM's ``RequestOutput``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_preemptions: int = 0
+
+
+@dataclass
+class StreamOutput:
+    """New tokens of one request, as ``stream`` yields them; ``finish_reason`` is set on the request's last one."""
+
+    index: int
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: str | None
+    seq: Seq  # finish_reason "error": refused before scheduling
+    detokenizer: IncrementalDetokenizer | None
+    text: list[str] = field(default_factory=list)
+    pending: deque[StreamOutput] = field(default_factory=deque)  # deltas not yet yielded
+
+
+class LLM:
+    """A model loaded on the selected hardware, with a scheduler and a paged KV cache, ready to generate.
+
+    :param model: a Hugging Face model directory (config.json, safetensors, tokenizer.json); ``None``
+        loads the bundled model.
+    :param device: ``"auto"`` discovers installed plugins and selects the best available platform;
+        a platform name (``"cpu"``, ``"cuda"``) selects that one; a :class:`~vllm_port.Runtime` is used as is.
+    :param dtype: ``"auto"`` runs in the checkpoint's dtype; or ``"float32"``, ``"bfloat16"``,
+        ``"float16"`` (or a ``torch.dtype``).
+    :param tensor_parallel_size: devices to shard the model over (through the comm contract).
+    :param max_model_len: the longest context (prompt and output); default: the model's
+        ``max_position_embeddings``, or what the KV cache holds when that is less.
+    :param kv_cache_memory: the KV cache's budget: a fraction in (0, 1] of the device memory free
+        after the weights are loaded, or bytes; never more than ``max_num_seqs`` full contexts need.
+    :param block_size: tokens per KV-cache block.
+    :param max_num_seqs: the most requests running at once.
+    :param max_num_batched_tokens: the token budget of a step (longer prompts are prefilled in chunks).
+    :param enable_prefix_caching: reuse cached blocks of equal prompt prefixes across requests.
+    :param swap_space: bytes of host memory to swap preempted requests to; ``None``: as much as the
+        KV cache (at most 4 GiB) on platforms with a host memory tier, none elsewhere.
+    :param seed: seeds the per-request seeds of requests that give none (``None``: fresh each run).
+    :param plugins: allow/deny list of plugins for discovery (as ``VLLM_PORT_PLUGINS``).
+    :param make_step: builds the runner's step function (:data:`~vllm_port.engine.runner.StepFunction`)
+        from the runner, e.g. a compiled or graph-captured one; default: the model's eager forward.
+    :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
+    :raises SelectionError: for a device that is unknown or unavailable.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        device: str | Runtime = "auto",
+        dtype: str | torch.dtype = "auto",
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        kv_cache_memory: float | int = 0.8,
+        *,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        swap_space: int | None = None,
+        seed: int | None = None,
+        plugins: str | None = None,
+        make_step: Callable[[ModelRunner], StepFunction] | None = None,
+    ) -> None:
+        self.model_dir = Path(model) if model is not None else bundled_model_dir()
+        self.runtime = device if isinstance(device, Runtime) else load(plugins, None if device == "auto" else device)
+        config = load_config(self.model_dir)
+        self.dtype = _resolve_dtype(dtype, config.dtype)
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"max_model_len is {max_model_len!r}; it must be an int >= 2")
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"({config.max_position_embeddings}, {self.model_dir / 'config.json'}); lower it"
+            )
+        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        longest = max_model_len or config.max_position_embeddings
+        if swap_space is None:
+            swap_space = _default_swap(self.runtime, kv_cache_memory)
+        self.runner = _make_runner(
+            self.runtime,
+            self.model_dir,
+            self.dtype,
+            tensor_parallel_size,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            swap_space=swap_space,
+            max_tokens=max_num_seqs * longest,
+            **({"make_step": make_step} if make_step is not None else {}),
+        )
+        # the cache's memory goes back to the allocator when the LLM goes away, closed or not
+        self._finalizer = weakref.finalize(self, self.runner.close)
+        self.config = config
+        capacity = self.runner.pool.num_blocks * block_size
+        self.max_model_len = max_model_len or min(config.max_position_embeddings, capacity)
+        try:
+            self.scheduler = Scheduler(
+                SchedulerConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
+                self.runner.pool,
+                self.runtime.reclaimer(),
+                self.runner.swap_pool,
+                reclaimer_name=f"plugin {self.runtime.reclaimer_plugin!r}'s reclaimer",
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._seeds = random.Random(seed)  # noqa: S311 - sampling seeds, not secrets
+        self._ids = itertools.count()
+        self._live: dict[str, _Request] = {}  # requests of open generate/stream calls, by id
+
+    # --- facts -------------------------------------------------------------------------------------
+
+    @property
+    def platform(self) -> str:
+        """The selected platform's name."""
+        return self.runtime.platform.name
+
+    @property
+    def provider_per_op(self) -> dict[str, str]:
+        """The provider bound to each op for the model's dtype."""
+        return dict(self.runner.provider_per_op)
+
+    # --- generation --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in the prompts' order.
+
+        :param prompts: a prompt or a list of them; a prompt is text or a list of token ids.
+        :param sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
+        :raises ValueError: for sampling parameters no request can run with, before anything runs.
+        """
+        requests = self._requests(prompts, sampling_params)
+        for _ in self._run(requests):
+            pass
+        return [self._output(r) for r in requests]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StreamOutput]:
+        """Generate like :meth:`generate`, yielding each request's new tokens and text as each step produces them.
+
+        Every request ends with one output whose ``finish_reason`` is set. Closing the iterator
+        early aborts the requests still running (their blocks go back to the pool).
+        """
+        return self._run(self._requests(prompts, sampling_params))
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _requests(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[_Request]:
+        listed = _as_prompt_list(prompts)
+        per_prompt = _as_params_list(params, len(listed))
+        for p in per_prompt:
+            p.validate()
+            if p.stop_strings and self.tokenizer is None:
+                raise ValueError(
+                    f"SamplingParams.stop {list(p.stop_strings)}: stop strings need the model's tokenizer, and "
+                    f"{self.model_dir} has no tokenizer.json; use stop_token_ids"
+                )
+        requests = []
+        for index, (prompt, p) in enumerate(zip(listed, per_prompt, strict=True)):
+            request_id = str(next(self._ids))
+            text = prompt if isinstance(prompt, str) else None
+            ids, problem = self._prompt_ids(prompt)
+            if problem is not None:
+                seq = Seq(request_id, -1, ids, p)
+                seq.finish_reason, seq.error = "error", f"request {index}: {problem}"
+                requests.append(_Request(index, text, seq, None))
+                continue
+            stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
+            seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+            seq = Seq(request_id, int(request_id), ids, p, stop_ids, seed)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings) if self.tokenizer else None
+            requests.append(_Request(index, text, seq, detok))
+        return requests
+
+    def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and what is wrong with it (``None`` when nothing is)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                return [], "the prompt is empty; give at least one token"
+            if self.tokenizer is None:
+                return [], f"a text prompt needs the model's tokenizer, and {self.model_dir} has no tokenizer.json"
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(_is_token_id(t) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            return [], f"prompt {prompt!r:.80} is neither text nor a list of int token ids"
+        vocab = self.config.vocab_size
+        if not ids:
+            return ids, "the prompt is empty; give at least one token"
+        outside = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+        if outside:
+            shown = ", ".join(f"{t} at {i}" for i, t in outside[:5])
+            return ids, f"token id(s) {shown} outside the model's vocabulary [0, {vocab})"
+        if len(ids) >= self.max_model_len:
+            return ids, (
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (prompt and output), "
+                "so at most {} prompt tokens fit; shorten it or raise max_model_len".format(self.max_model_len - 1)
+            )
+        return ids, None
+
+    def _run(self, requests: list[_Request]) -> Iterator[StreamOutput]:
+        """Step the engine until ``requests`` are done, yielding their deltas.
+
+        Several calls may be open at once (streams consumed in turns): each step serves every live
+        request, and each delta waits in its own request's queue until its call yields it.
+        """
+        mine = [r for r in requests if r.seq.finish_reason != "error"]
+        for r in mine:
+            self._live[r.seq.request_id] = r
+            self.scheduler.add(r.seq)
+        try:
+            for r in requests:
+                if r.seq.finish_reason == "error":
+                    yield StreamOutput(r.index, r.seq.request_id, [], "", "error", r.seq.error)
+            while any(r.pending or not r.seq.is_finished for r in mine):
+                if not any(r.pending for r in mine):
+                    self._step()
+                for r in mine:
+                    while r.pending:
+                        yield r.pending.popleft()
+        finally:
+            for r in mine:
+                if not r.seq.is_finished:
+                    self.scheduler.finish(r.seq, "abort")
+                self._live.pop(r.seq.request_id, None)
+
+    def _step(self) -> None:
+        """One engine step: schedule, run, and queue each live request's new token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            raise EngineError(
+                f"a step scheduled nothing while requests wait (waiting: {self.scheduler.waiting}, "
+                f"running: {self.scheduler.running}); please report this"
+            )
+        sampled = self.runner.execute(out.batch(self.runner.block_size))
+        for seq in self.scheduler.update(out, sampled):
+            r = self._live[seq.request_id]
+            r.pending.append(self._advance(r))
+
+    def _advance(self, r: _Request) -> StreamOutput:
+        seq = r.seq
+        token = seq.token_ids[-1]
+        text = ""
+        if r.detokenizer is not None:
+            text = r.detokenizer.add(token)
+            if r.detokenizer.stopped and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                text += r.detokenizer.flush()
+        r.text.append(text)
+        return StreamOutput(r.index, seq.request_id, [token], text, seq.finish_reason, seq.error)
+
+    def _output(self, r: _Request) -> RequestOutput:
+        seq = r.seq
+        completion = CompletionOutput(r.index, "".join(r.text), seq.output_token_ids, seq.finish_reason, seq.error)
+        return RequestOutput(seq.request_id, r.prompt, seq.prompt_token_ids, [completion], True, seq.num_preemptions)
+
+    def close(self) -> None:
+        """Give the KV cache's memory back (the object is unusable afterwards)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(_is_token_id(t) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise ValueError(f"prompts is {prompts!r:.80}; give text, a list of token ids, or a list of those")
+
+
+def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    listed = list(params)
+    if len(listed) != n or not all(isinstance(p, SamplingParams) for p in listed):
+        raise ValueError(
+            f"sampling_params: give one SamplingParams or a list of {n} (one per prompt), got {params!r:.80}"
+        )
+    return listed
+
+
+def _resolve_dtype(dtype: str | torch.dtype, checkpoint: torch.dtype) -> torch.dtype:
+    if dtype == "auto":
+        return checkpoint if checkpoint in FLOAT_DTYPES else torch.float32
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if resolved not in FLOAT_DTYPES:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in FLOAT_DTYPES))
+        raise ValueError(f"dtype {dtype!r} is not one the ops run; use 'auto' or one of {names}")
+    return resolved  # type: ignore[return-value]
+
+
+def _default_swap(runtime: Runtime, kv_cache_memory: float | int) -> int:
+    """Swap space by default: as much as an int KV budget (else 4 GiB) on platforms with a pinned host tier."""
+    if "pinned_host" not in runtime.platform.memory_tiers:
+        return 0
+    return min(kv_cache_memory, 4 << 30) if isinstance(kv_cache_memory, int) else 4 << 30
+
+
+def _make_runner(
+    runtime: Runtime, model_dir: Path, dtype: torch.dtype, tensor_parallel_size: int, **kwargs: Any
+) -> Any:
+    if tensor_parallel_size == 1:
+        return ModelRunner(runtime, model_dir, dtype, **kwargs)
+    if "make_step" in kwargs:
+        raise ValueError("make_step runs in this process; with tensor_parallel_size > 1 the ranks run the eager step")
+    from .parallel import TensorParallelRunner
+
+    return TensorParallelRunner(runtime, model_dir, dtype, tensor_parallel_size, **kwargs)

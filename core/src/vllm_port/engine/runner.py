@@ -1,0 +1,237 @@
+"""The model runner: the only engine file that touches tensors, and only through the runtime.
+
+It owns the model, the bound kernels (``runtime.bind``), the paged KV cache and the swap space
+(``runtime.kv_cache``), and the migrator between them (``runtime.migrator()``). One step:
+
+1. swap blocks out, then in, as the scheduler asked (the migrator's copies, waited for: rare);
+2. one host-to-device copy of the step's integer metadata (pinned staging where the platform has a
+   pinned host tier, so the copy does not wait for the device);
+3. the **step function** (:data:`StepFunction`): the model's forward over the packed tokens and the
+   logits of the rows that sample. This is the seam where a compiled or graph-captured step plugs
+   in (``make_step``; :func:`flat_step` adapts ``vllm_port.flat``'s models); :func:`eager_step`, the
+   default, runs ``LlamaModel.forward`` with the bound kernels;
+4. the bound ``sample`` op on the device, seeds ``seed + step`` per request (a step whose rows
+   are all greedy takes the argmax, lowest id on ties: what the op returns for such rows);
+5. reading the sampled ids: the step's only host synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import MemoryContractError
+from ..memory import KVLayout
+from ..models import AttentionMetadata, LlamaModel, load_model
+from ..ops import BoundOps
+from .scheduler import StepBatch
+
+__all__ = ["ModelRunner", "StepFunction", "eager_step", "flat_step"]
+
+#: ``step(input_ids, positions, kv_caches, meta, logits_rows) -> logits [len(logits_rows), vocab]``:
+#: one forward over the packed tokens of a step, with the logits of the rows in ``logits_rows``.
+StepFunction = Callable[
+    [torch.Tensor, torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata, torch.Tensor],
+    torch.Tensor,
+]
+
+#: Swap-tier names a platform may declare, in order of preference (pinned memory copies asynchronously).
+SWAP_TIERS = ("pinned_host", "host")
+
+
+def eager_step(model: LlamaModel, ops: BoundOps) -> StepFunction:
+    """The model's own forward with the bound kernels, op by op (every platform can run it)."""
+
+    def step(input_ids, positions, kv_caches, meta, logits_rows):
+        hidden = model.forward(ops, input_ids, positions, kv_caches, meta)
+        return model.compute_logits(ops, hidden.index_select(0, logits_rows))
+
+    return step
+
+
+def flat_step(flat_model: Any) -> StepFunction:
+    """The step of an object with ``forward(input_ids, positions, kv_caches, meta)`` and ``compute_logits(hidden)``.
+
+    ``vllm_port.flat.FlatModel`` has that shape (flat graphs, eager or compiled)::
+
+        LLM(model_dir, make_step=lambda runner: flat_step(FlatModel(runner.model, runner.runtime)))
+    """
+
+    def step(input_ids, positions, kv_caches, meta, logits_rows):
+        hidden = flat_model.forward(input_ids, positions, kv_caches, meta)
+        return flat_model.compute_logits(hidden.index_select(0, logits_rows))
+
+    return step
+
+
+class ModelRunner:
+    """A model with its KV cache on the runtime's platform; :meth:`execute` runs one scheduled step.
+
+    :param runtime: the selected platform.
+    :param model: the loaded model (on ``runtime``'s device), or a model directory to load.
+    :param kv_cache_memory: the KV cache's budget: a fraction in (0, 1] of the free device memory
+        after the weights, or bytes; at most ``max_tokens`` tokens' worth is taken when given.
+    :param swap_space: bytes of swap space in the platform's host tier (0: none; preemption then recomputes).
+    :param max_tokens: tokens the cache never needs to exceed (caps the budget), or ``None``.
+    :param make_step: builds the step function from the runner (its ``model``, ``ops``, ``kv_caches``,
+        ``runtime``) once the cache exists; default :func:`eager_step`. See the module docstring.
+    :param ops: bound kernels to use instead of ``runtime.bind(model.dtype)`` (tensor parallelism wraps them).
+    :param device: where the model lives (default ``runtime.device``; a tensor-parallel rank's own device).
+    """
+
+    def __init__(
+        self,
+        runtime: Any,
+        model: LlamaModel | str | os.PathLike[str],
+        dtype: torch.dtype | None = None,
+        *,
+        block_size: int = 16,
+        kv_cache_memory: float | int = 0.8,
+        swap_space: int = 0,
+        max_tokens: int | None = None,
+        make_step: Callable[[ModelRunner], StepFunction] | None = None,
+        ops: BoundOps | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.device = device or runtime.device
+        if not isinstance(model, LlamaModel):
+            model = load_model(model, self.device, dtype or torch.float32)
+        self.model = model
+        self.config = model.config
+        self.ops = ops or runtime.bind(model.dtype)
+        self.block_size = block_size
+        c = model.config
+        self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_size, block_size, model.dtype)
+        self.kv = runtime.kv_cache(self.layout, _budget(runtime, kv_cache_memory, self.layout, max_tokens))
+        self.kv_caches = list(zip(self.kv.key_caches, self.kv.value_caches, strict=True))
+        try:
+            self.swap = self._swap_cache(swap_space)
+        except BaseException:
+            self.kv.close()
+            raise
+        self.step = make_step(self) if make_step is not None else eager_step(model, self.ops)
+        #: stage host metadata in page-locked memory, so its copy to the device does not wait for it
+        self._pinned = "pinned_host" in runtime.platform.memory_tiers
+
+    def _swap_cache(self, swap_space: int) -> Any:
+        if not swap_space:
+            return None
+        tiers = [t for t in SWAP_TIERS if t in self.runtime.platform.memory_tiers]
+        if not tiers:
+            raise MemoryContractError(
+                f"swap_space={swap_space:,} bytes, but platform {self.runtime.platform.name!r} has no host tier to "
+                f"swap to (memory_tiers: {', '.join(self.runtime.platform.memory_tiers)}); set swap_space=0"
+            )
+        return self.runtime.kv_cache(self.layout, swap_space, tier=tiers[0])
+
+    @property
+    def pool(self) -> Any:
+        """The device KV cache's block pool (the scheduler keeps its books)."""
+        return self.kv.pool
+
+    @property
+    def provider_per_op(self) -> dict[str, str]:
+        """The provider bound to each op."""
+        return {op: p.name for op, p in sorted(self.ops.providers.items())}
+
+    @property
+    def swap_pool(self) -> Any:
+        """The swap space's block pool, or ``None``."""
+        return None if self.swap is None else self.swap.pool
+
+    def close(self) -> None:
+        """Give the caches' memory back to their allocators."""
+        self.kv.close()
+        if self.swap is not None:
+            self.swap.close()
+
+    # --- one step ----------------------------------------------------------------------------------
+
+    def execute(self, batch: StepBatch) -> list[int]:
+        """Run one step; return the token sampled for each of ``batch.sample_rows``, in order."""
+        self._migrate(batch)
+        if not batch.query_lens:
+            return []
+        with torch.inference_mode():
+            ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
+            logits = self.step(ids, positions, self.kv_caches, meta, rows)
+            if not batch.sample_rows:
+                return []
+            if any(batch.temperatures):
+                sampled = self.ops.sample(logits, temperature, top_k, top_p, seeds)
+            else:  # every row greedy: the sample op's answer by contract, without its sort and noise
+                # widened first: exact, so the same ids and ties, and argmax over float32 is several
+                # times faster than over bfloat16/float16 on CPU (a few ms a step over 32000 columns)
+                sampled = logits.to(torch.promote_types(logits.dtype, torch.float32)).argmax(dim=-1)
+        return sampled.tolist()  # the one host synchronisation of the step
+
+    def _migrate(self, batch: StepBatch) -> None:
+        # Swaps happen under memory pressure only; waiting for them keeps the step's reads and the
+        # blocks' reuse ordered after the copies on every platform.
+        if batch.swap_out:
+            self.runtime.migrator().copy_blocks(self.kv.blocks, self.swap.blocks, batch.swap_out).wait()
+        if batch.swap_in:
+            self.runtime.migrator().copy_blocks(self.swap.blocks, self.kv.blocks, batch.swap_in).wait()
+
+    def _tensors(self, b: StepBatch) -> tuple[Any, ...]:
+        """The step's tensors on the device, from one int64 and one float32 host buffer."""
+        num_tokens, num_seqs, num_samples = len(b.input_ids), len(b.query_lens), len(b.sample_rows)
+        width = max(len(t) for t in b.block_tables) or 1
+        tables = [x for t in b.block_tables for x in (*t, *[0] * (width - len(t)))]
+        cu_seqlens, rows, total = [0], [], 0
+        for n in b.query_lens:
+            total += n
+            cu_seqlens.append(total)
+        rows = [cu_seqlens[i + 1] - 1 for i in b.sample_rows]
+        ints = self._upload(
+            [
+                *b.input_ids,
+                *b.positions,
+                *b.slot_mapping,
+                *tables,
+                *b.seq_lens,
+                *cu_seqlens,
+                *rows,
+                *b.top_ks,
+                *b.seeds,
+            ],
+            torch.int64,
+        )
+        floats = self._upload([*b.temperatures, *b.top_ps], torch.float32)
+        sizes = [num_tokens, num_tokens, num_tokens, num_seqs * width, num_seqs, num_seqs + 1, num_samples]
+        ids, positions, slots, flat_tables, seq_lens, cu, logits_rows, top_k, seeds = ints.split(
+            [*sizes, num_samples, num_samples]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=flat_tables.view(num_seqs, width).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            cu_seqlens_q=cu.to(torch.int32),
+            max_query_len=max(b.query_lens),
+            is_decode=b.is_decode,
+        )
+        temperature, top_p = floats.split([num_samples, num_samples])
+        return ids, positions, meta, logits_rows, top_k, seeds, temperature, top_p
+
+    def _upload(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if self._pinned:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+
+def _budget(runtime: Any, kv_cache_memory: float | int, layout: KVLayout, max_tokens: int | None) -> float | int:
+    """The KV budget: as given, but no more bytes than ``max_tokens`` tokens need (in whole blocks)."""
+    if max_tokens is None or isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)):
+        return kv_cache_memory  # KVCache refuses what is not a budget, naming it
+    cap = -(-max_tokens // layout.block_size) * layout.block_bytes
+    if isinstance(kv_cache_memory, float):
+        if not 0.0 < kv_cache_memory <= 1.0:
+            return kv_cache_memory
+        free, _ = runtime.allocator().mem_info()
+        return min(int(free * kv_cache_memory), cap)
+    return min(kv_cache_memory, cap)

@@ -1,0 +1,439 @@
+"""The scheduler: which requests run each step, with how many tokens, in which cache blocks (device-free Python).
+
+Each step has a budget of tokens (``max_num_batched_tokens``). Every request computes the tokens it
+has that are not in the cache yet, ``num_tokens - num_computed_tokens``: a whole prompt, a chunk of
+one (chunked prefill: a prompt longer than what is left of the budget is split over steps), the one
+token sampled last (decode), or everything again after a preemption by recompute. One rule serves
+all of them, so prefill and decode requests share a step (continuous batching).
+
+Order, first come first served, with no starvation:
+
+1. Running requests, earliest arrival first, each takes its tokens from the budget. One that needs
+   a block the pool does not have asks the reclaimer (:mod:`vllm_port.reclaimer`), whose candidates
+   are the running requests not yet served this step, itself included: the default preempts the
+   latest arrivals, so the earliest request always advances.
+2. Then, if nobody was preempted this step, waiting requests in arrival order (preempted ones
+   rejoin the queue at their arrival's place, so they come before every later request): swapped
+   requests are swapped back in; others look their full prompt blocks up in the prefix cache and
+   start after the hits. The first that does not fit (blocks, budget, ``max_num_seqs``) stops the
+   admissions: nobody overtakes it.
+
+The pool is the platform's block pool (:class:`vllm_port.kv_pool.BlockPool`'s interface); swap space
+is a second pool, of the swap tier. Prefix caching registers each block once its tokens are
+computed, chained by content hash; blocks of finished or preempted requests stay cached-free until
+they are evicted. While cached blocks can cover a need, only cached blocks are offered to the
+reclaimer (running work is never lost to keep a cache).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MemoryContractError
+from ..reclaimer import MemoryPressure, Reclaimer, RequestFacts, check_plan
+from .sequence import Sequence, SequenceStatus
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "StepBatch"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the scheduler.
+
+    Attributes:
+        max_model_len: the longest context a request may reach (prompt and output); the pool must hold it.
+        max_num_seqs: the most requests running at once.
+        max_num_batched_tokens: the token budget of one step; longer prompts are chunked.
+        enable_prefix_caching: reuse cached blocks of equal prompt prefixes.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} is {value!r}; it must be an int >= 1")
+
+
+@dataclass
+class StepBatch:
+    """One step as plain lists, all the runner needs to build its tensors (picklable: ranks receive it).
+
+    Attributes:
+        input_ids, positions, slot_mapping: per token of the step, sequence after sequence.
+        block_tables, seq_lens, query_lens: per scheduled sequence (``seq_lens`` counts the cached
+            tokens plus this step's).
+        sample_rows: index (into the scheduled sequences) of each sequence that samples a token this
+            step (it reaches its last known token); the sampling lists are per such row.
+        swap_out: ``(device block, swap block)`` copies to make before the step; ``swap_in``:
+            ``(swap block, device block)``, made after the swap-outs.
+    """
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    top_ks: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes one token (``paged_attention`` serves the step)."""
+        return bool(self.query_lens) and all(n == 1 for n in self.query_lens)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: the sequences with their new token counts, block copies, and who was preempted."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and nothing to copy."""
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+    def samples(self, index: int) -> bool:
+        """Whether scheduled sequence ``index`` reaches its last known token this step (and so samples)."""
+        seq = self.seqs[index]
+        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+
+    def batch(self, block_size: int) -> StepBatch:
+        """The step as a :class:`StepBatch` (call before :meth:`Scheduler.update` advances the sequences)."""
+        b = StepBatch(swap_out=list(self.swap_out), swap_in=list(self.swap_in))
+        for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = seq.block_table
+            b.input_ids += seq.token_ids[start:end]
+            b.positions += range(start, end)
+            b.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            b.block_tables.append(table)
+            b.seq_lens.append(end)
+            b.query_lens.append(n)
+            if end == seq.num_tokens:
+                p = seq.params
+                b.sample_rows.append(i)
+                b.temperatures.append(float(p.temperature))
+                b.top_ps.append(float(p.top_p))
+                b.top_ks.append(max(p.top_k, 0))
+                b.seeds.append(seq.step_seed)
+        return b
+
+
+class Scheduler:
+    """Continuous batching over a block pool; see the module docstring for the policy.
+
+    :param pool: the device KV cache's block pool.
+    :param reclaimer: the policy asked when the pool runs short (``Runtime.reclaimer()``).
+    :param swap_pool: the swap space's block pool, or ``None`` without swap space.
+    :param reclaimer_name: who the reclaimer is, for error messages (its plugin).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: Any,
+        reclaimer: Reclaimer,
+        swap_pool: Any = None,
+        reclaimer_name: str = "reclaimer",
+    ) -> None:
+        capacity = pool.num_blocks * pool.block_size
+        if config.max_model_len > capacity:
+            raise MemoryContractError(
+                f"max_model_len {config.max_model_len} exceeds the KV cache's {capacity} tokens "
+                f"({pool.num_blocks} blocks of {pool.block_size}); raise the KV-cache memory or lower max_model_len"
+            )
+        self.config = config
+        self.pool = pool
+        self.swap_pool = swap_pool
+        self.reclaimer = reclaimer
+        self.reclaimer_name = reclaimer_name
+        self.block_size: int = pool.block_size
+        self.waiting: list[Sequence] = []  # in arrival order
+        self.running: list[Sequence] = []  # in arrival order
+        #: cached-free blocks (block -> prefix hash) in the pool's order, least recently used first
+        self._cached: OrderedDict[int, int] = OrderedDict()
+        self.num_preemptions = 0
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (its prompt already checked by the engine)."""
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End ``seq`` (any status): its blocks go back to the pools (prefix blocks stay cached)."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        if seq.swap_table:
+            self.swap_pool.free(seq.swap_table)
+            seq.swap_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.error = reason, error
+
+    # --- one step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's sequences and token counts; allocate, preempt and swap as needed."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        running = list(self.running)
+        for i, seq in enumerate(running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier request this step
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow(seq, seq.num_computed_tokens + n, running[i:], out):
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Advance the step's sequences, append the sampled tokens (one per sampling sequence, in order).
+
+        Finishes sequences on a stop token, ``max_tokens`` or ``max_model_len``.
+
+        :return: the sequences that got a token, in step order.
+        """
+        tokens = iter(sampled)
+        grown: list[Sequence] = []
+        for i, seq in enumerate(out.seqs):
+            sampling = out.samples(i)
+            seq.num_computed_tokens += out.num_new_tokens[i]
+            if self.config.enable_prefix_caching:
+                self._register(seq)
+            if not sampling:
+                continue
+            token = next(tokens)
+            if seq.is_finished:  # aborted while the step ran: its token is dropped
+                continue
+            seq.append(token)
+            grown.append(seq)
+            if token in seq.stop_token_ids:
+                self.finish(seq, "stop")
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                self.finish(seq, "length")
+        return grown
+
+    # --- blocks ------------------------------------------------------------------------------------
+
+    def _grow(self, seq: Sequence, num_tokens: int, unserved: list[Sequence], out: SchedulerOutput) -> bool:
+        """Give running ``seq`` blocks for ``num_tokens``; ``False`` when it was preempted or must wait.
+
+        :param unserved: ``seq`` and the running requests after it, whom it may push out.
+        """
+        need = seq.blocks_for(num_tokens, self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        blocks = self._allocate(seq, need, unserved, out)
+        if blocks is None:
+            return False
+        seq.block_table += blocks
+        return True
+
+    def _allocate(self, seq: Sequence, need: int, candidates: list[Sequence], out: SchedulerOutput) -> list[int] | None:
+        """``need`` blocks for ``seq``, asking the reclaimer when fewer are plainly free; ``None`` if none now.
+
+        ``candidates`` (running requests) are offered only when cached blocks cannot cover the need.
+        """
+        pool = self.pool
+        if need > pool.num_free - pool.num_cached:
+            offered = [s for s in candidates if s.status is SequenceStatus.RUNNING] if need > pool.num_free else []
+            pressure = MemoryPressure(
+                need=need,
+                free=pool.num_free - pool.num_cached,
+                cached=tuple(b for b in self._cached if pool.is_cached(b)),
+                candidates=tuple(self._facts(s) for s in offered),
+                requester=seq.request_id,
+                swap_free=self.swap_pool.num_free if self.swap_pool is not None else 0,
+            )
+            plan = check_plan(pressure, self.reclaimer.plan(pressure), self.reclaimer_name)
+            if plan.preempt or plan.evict != pressure.cached[: need - pressure.free]:
+                for block in plan.evict:  # else: exactly what allocate() evicts itself, in the pool's order
+                    self._evict(block)
+            by_id = {s.request_id: s for s in offered}
+            for p in plan.preempt:
+                self._preempt(by_id[p.request_id], p.mode, out)
+            if seq in out.preempted:
+                return None
+            if need > pool.num_free:
+                return None
+        blocks = pool.allocate(need)
+        if blocks is None:  # a plugin's pool may hold back more than num_free says
+            return None
+        for b in blocks:
+            self._cached.pop(b, None)  # the pool evicted it for us
+        return blocks
+
+    def _facts(self, seq: Sequence) -> RequestFacts:
+        ref = self.pool.ref_count
+        return RequestFacts(
+            request_id=seq.request_id,
+            arrival=seq.arrival,
+            num_blocks=len(seq.block_table),
+            num_freed=sum(1 for b in seq.block_table if ref(b) == 1),
+            num_computed_tokens=seq.num_computed_tokens,
+        )
+
+    def _evict(self, block: int) -> None:
+        """Drop the prefix a cached-free block holds, so the next allocation takes it first."""
+        block_hash = self._cached.pop(block)
+        pool = self.pool
+        if pool.lookup(block_hash) != block:  # the pool's books disagree with ours: a contract breach
+            raise MemoryContractError(f"block pool: lookup of cached block {block}'s hash answers another block")
+        pool.copy_on_write(block)  # the only holder: forgets the hash
+        pool.free([block])
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s device blocks, tail first (so its prefix outlives its tail in the cache)."""
+        table, hashes = seq.block_table, seq.block_hashes
+        if not table:
+            return
+        self.pool.free(table[::-1])
+        for i in range(len(table) - 1, -1, -1):
+            if i < seq.num_registered_blocks and self.pool.is_cached(table[i]):
+                self._cached[table[i]] = hashes[i]
+                self._cached.move_to_end(table[i])
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def _preempt(self, seq: Sequence, mode: str, out: SchedulerOutput) -> None:
+        if mode == "swap":
+            swap_blocks = self.swap_pool.allocate(len(seq.block_table))
+            if swap_blocks is None:
+                raise MemoryContractError(
+                    f"{self.reclaimer_name}: swap space cannot take request {seq.request_id!r}'s "
+                    f"{len(seq.block_table)} blocks"
+                )
+            out.swap_out += zip(seq.block_table, swap_blocks, strict=True)
+            seq.swap_table = swap_blocks
+            seq.status = SequenceStatus.SWAPPED
+        else:
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self._release(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        bisect.insort(self.waiting, seq, key=_arrival)
+        out.preempted.append(seq)
+
+    # --- admissions --------------------------------------------------------------------------------
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.status is SequenceStatus.SWAPPED:
+                n = self._swap_in(seq, budget, out)
+            else:
+                n = self._start(seq, budget, out)
+            if n is None:
+                return
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+
+    def _start(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Prefix lookups and blocks for the first chunk of a waiting request; its token count, or ``None``."""
+        hits = self._lookup(seq) if self.config.enable_prefix_caching else []
+        seq.block_table = hits
+        seq.num_registered_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        need = seq.blocks_for(seq.num_computed_tokens + n, self.block_size) - len(hits)
+        blocks = self._allocate(seq, need, [], out) if need > 0 else []
+        if blocks is None:
+            self._release(seq)
+            seq.num_computed_tokens = 0
+            return None
+        seq.block_table = hits + blocks
+        return n
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding ``seq``'s leading full blocks (one new reference each); stops at the first miss.
+
+        The last token is never taken from the cache: its logits are needed to sample.
+        """
+        hits: list[int] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(self._hash(seq, i))
+            if block is None:
+                break
+            self._cached.pop(block, None)
+            hits.append(block)
+        return hits
+
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Device blocks for a swapped request, with the copies back; its token count, or ``None``."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        count = len(seq.swap_table)
+        need = max(seq.blocks_for(seq.num_computed_tokens + n, self.block_size), count)
+        blocks = self._allocate(seq, need, [], out)
+        if blocks is None:
+            return None
+        out.swap_in += zip(seq.swap_table, blocks[:count], strict=True)
+        self.swap_pool.free(seq.swap_table)
+        seq.swap_table = []
+        seq.block_table = blocks
+        return n
+
+    # --- prefix caching ----------------------------------------------------------------------------
+
+    def _hash(self, seq: Sequence, index: int) -> int:
+        """The chained content hash of ``seq``'s full block ``index`` (computed once, kept on the sequence)."""
+        hashes, size = seq.block_hashes, self.block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            hashes.append(
+                self.pool.hash_block(hashes[-1] if hashes else None, seq.token_ids[i * size : (i + 1) * size])
+            )
+        return hashes[index]
+
+    def _register(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly computed full blocks, so later requests can hit them."""
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], self._hash(seq, i))
+        seq.num_registered_blocks = max(full, seq.num_registered_blocks)
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival

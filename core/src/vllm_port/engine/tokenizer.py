@@ -1,0 +1,116 @@
+"""Text in and out: a model's ``tokenizer.json`` through the ``tokenizers`` library, and incremental decoding.
+
+Decoding token by token is not decoding each token alone: a byte-level token may carry half a
+UTF-8 character, and SentencePiece-style decoders drop the space that starts a text. So the new
+text of each token is the difference between decoding a short window of recent tokens with and
+without it, and text is held back while it ends in an incomplete character.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import ModelLoadError
+
+__all__ = ["TOKENIZER_FILE", "IncrementalDetokenizer", "Tokenizer"]
+
+TOKENIZER_FILE = "tokenizer.json"
+_REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+_CONTEXT_TOKENS = 6  # prompt tokens that give the first output tokens their context (leading spaces)
+
+
+class Tokenizer:
+    """A ``tokenizer.json`` loaded with ``tokenizers``.
+
+    :raises ModelLoadError: when the file cannot be read or parsed (naming it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self.path = Path(path)
+        try:
+            self._tokenizer = _Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # tokenizers raises its own Exception type for every parse problem
+            raise ModelLoadError(
+                f"{self.path}: cannot load the tokenizer ({exc}); re-download or re-save it (tokenizers format)"
+            ) from exc
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer | None:
+        """The tokenizer of a model directory, or ``None`` when it has no ``tokenizer.json``."""
+        path = Path(model_dir) / TOKENIZER_FILE
+        return cls(path) if path.exists() else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included."""
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds (a beginning-of-sequence token)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
+class IncrementalDetokenizer:
+    """Text of a request's output, token by token, and its stop strings.
+
+    :param prompt_token_ids: the prompt; its last tokens give the first output token its context.
+    :param stop: strings that end the output; text that could still become one is held back
+        from :meth:`add`'s answer until it cannot (or until :meth:`flush`).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix = 0  # window start
+        self._read = len(self._ids)  # tokens before this are in ``text``
+        self.stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # decoded output so far (cut before a stop string once one is found)
+        self._emitted = 0  # characters of ``text`` handed out by add()
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Decode one more output token; return the text that is now final (may be empty).
+
+        Sets :attr:`stopped` when a stop string appears; the text ends before it.
+        """
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        self._append(self._new_text(final=False))
+        return self._take(final=self.stopped)
+
+    def flush(self) -> str:
+        """The rest of the text at the end of the request (incomplete characters included)."""
+        if not self.stopped:
+            self._append(self._new_text(final=True))
+        return self._take(final=True)
+
+    def _new_text(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read])
+        after = decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+    def _append(self, new: str) -> None:
+        if not new:
+            return
+        start = max(len(self.text) - self._hold, 0)
+        self.text += new
+        found = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        if found:  # the earliest stop string wins
+            self.text, self.stopped = self.text[: min(found)], True
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text) if final else max(len(self.text) - self._hold, self._emitted)
+        out, self._emitted = self.text[self._emitted : end], end
+        return out
