@@ -1,19 +1,21 @@
 """CPU providers of the paged KV-cache ops: cache writes, decode attention and prefill attention.
 
-All sequences of a batch are handled at once: their K/V are gathered from the paged cache with one
-index op through ``block_tables``, padded to the longest sequence, and attention runs batched over
-sequences with an additive mask (``scaled_dot_product_attention``'s CPU flash kernel; explicit
-matmuls when a soft cap is asked for, which that kernel lacks). Scores, softmax and the PV product
-are computed in float32 for bfloat16/float16.
+All sequences of a batch are handled at once: their K/V are gathered from the paged cache in whole
+blocks through ``block_tables`` (one ``index_select`` per cache), padded to the longest sequence,
+and attention runs batched over sequences with an additive mask (``scaled_dot_product_attention``'s
+CPU flash kernel, which takes bfloat16/float16 as they are and accumulates in float32; explicit
+float32 matmuls when a soft cap is asked for, which that kernel lacks). Scores, softmax and the PV
+sums are computed in float32 for bfloat16/float16.
 
 Cache slots past a sequence's end may hold anything, NaN included, and a masked NaN still poisons
-a matmul. So the gather never reads them: a padding position reads the sequence's own first token
-instead (finite data it owns), and the mask gives it probability exactly 0. That costs nothing
-extra, where zeroing the gathered K/V would be one more pass over both.
+a matmul. Whole blocks bring such slots along (a block's tail; a block the sequence does not own
+reads block 0 instead of its table entry), so those positions are set to exactly 0 in the gathered
+copy, by index: there are few of them, so this costs far less than the token-by-token gather it
+replaces, and the mask gives them probability exactly 0.
 
 A padded sequence (``seq_lens[i] == 0``, graph capture's batch padding) owns no token and its
-block-table row may hold stale entries: it gathers slot 0 of block 0 instead of anything its row
-names, and its output rows are set to exactly zero afterwards (whatever that slot holds).
+block-table row may hold stale entries: it gathers block 0 instead of anything its row names, and
+its output rows are set to exactly zero afterwards (whatever that block holds).
 """
 
 from __future__ import annotations
@@ -83,13 +85,25 @@ def _gather_kv(
     block_size = key_cache.shape[1]
     owned = torch.arange(blocks, device=lens.device)[None, :] * block_size < lens[:, None]  # [num_seqs, blocks]
     table = torch.where(owned, block_tables[:, :blocks].long(), 0).reshape(-1)
-    invalid = (torch.arange(blocks * block_size, device=lens.device)[None, :] >= lens[:, None])[:, :, None, None]
+    length = blocks * block_size
+    # the positions to clear, as indices: few (a block's tail, a short sequence's unowned blocks), so
+    # clearing them costs far less than a masked pass over the whole gathered context
+    invalid = (torch.arange(length, device=lens.device)[None, :] >= lens[:, None]).reshape(-1).nonzero().squeeze(1)
     out = []
     for cache in (key_cache, value_cache):
-        gathered = cache.index_select(0, table).view(num_seqs, blocks * block_size, *cache.shape[2:])
-        # a fresh tensor either way (index_select's output, or its widened copy): safe to fill in place
-        out.append(gathered.to(compute).masked_fill_(invalid, 0.0).transpose(1, 2))
+        # contiguous and fresh either way (index_select's output, or its widened copy): safe to fill in place
+        gathered = cache.index_select(0, table).to(compute)
+        gathered.view(num_seqs * length, -1).index_fill_(0, invalid, 0.0)
+        out.append(gathered.view(num_seqs, length, *cache.shape[2:]).transpose(1, 2))
     return out[0], out[1]
+
+
+def _compute_dtype(dtype: torch.dtype, soft_cap: float) -> torch.dtype:
+    # scaled_dot_product_attention's CPU flash kernel takes bfloat16/float16 as they are and computes
+    # scores, softmax and the PV sums in float32 itself; widening K/V first would cost a full pass
+    # over the gathered context (most of a decode step's attention time). The explicit soft-cap
+    # matmuls widen to float32.
+    return dtype if soft_cap <= 0 else torch.promote_types(dtype, torch.float32)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -122,7 +136,7 @@ def paged_attention(
     if num_seqs == 0:
         return torch.empty_like(query)
     _, block_size, kv_heads, _ = key_cache.shape
-    compute = torch.promote_types(query.dtype, torch.float32)
+    compute = _compute_dtype(query.dtype, soft_cap)
     lens = seq_lens.long()
     blocks = _context_blocks(lens, block_size, block_tables.shape[1])
     k_pos = torch.arange(blocks * block_size, device=query.device)[None, :]
@@ -173,7 +187,7 @@ def prefill_attention(
         return torch.empty_like(query)
     _, block_size, kv_heads, _ = key_cache.shape
     device = query.device
-    compute = torch.promote_types(query.dtype, torch.float32)
+    compute = _compute_dtype(query.dtype, soft_cap)
     lens, starts = seq_lens.long(), cu_seqlens_q.long()
     q_lens = starts[1:] - starts[:-1]
     # every packed token's sequence and its index among that sequence's queries
