@@ -36,3 +36,11 @@ def test_the_how_it_works_example_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -
         assert torch.equal(swap.blocks[slot].view(torch.int16), kv.blocks[block].view(torch.int16))
     kv.close()
     swap.close()
+
+
+def test_the_generate_example_runs_with_the_bundled_model(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("VLLM_PORT_DEVICE", "cpu")
+    code = _example("Generate")
+    exec(compile(code, f"{README}: Generate", "exec"), {})  # the README's own example
+    text = capsys.readouterr().out
+    assert len(text.split()) >= 10, text  # 32 tokens of English words
