@@ -267,7 +267,7 @@ def _decode_rates(model_dir: Path, w: Workload, device: str | None, step: str) -
                 "achieved_gbs": step_bytes / (decode_s / steps) / 1e9,
             }
         )
-    dev = torch.device(device if device and device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device if device and device != "auto" else (_accelerator_type() or "cpu"))
     bandwidth = copy_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 256 << 20)
     for row in rows:
         row["copy_gbs"] = bandwidth
@@ -361,9 +361,14 @@ def run(
     }
 
 
+def _accelerator_type() -> str | None:
+    """The device type of torch's current accelerator (``"cuda"``, ``"xpu"``, ...), or ``None``."""
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+
+
 def _on_gpu(device: str | None) -> bool:
     if device in (None, "auto"):
-        return torch.cuda.is_available()
+        return _accelerator_type() is not None
     return device not in ("cpu",)
 
 

@@ -228,7 +228,7 @@ def run(
         "dtype": str(dtype).removeprefix("torch."),
         "context": context,
         "platform": runtime.platform.name,
-        "device": _device_name(device),
+        "device": _device_name(runtime),
         "copy_gbs": copy_gbs,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
@@ -308,19 +308,21 @@ def _mode_fn(mode, runners, ours, hf_model, capture, batch, context, dtype, devi
         hf = _HfDecode(hf_model, mode == "hf-compiled", batch, context, dtype, device)
         if mode == "hf-eager":
             return hf.step
-        compiled = torch.compile(hf.step, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=False)
+        compiled = torch.compile(hf.step, mode="reduce-overhead" if device.type != "cpu" else None, fullgraph=False)
         return compiled
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
 
 
 def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if device.type != "cpu":
+        torch.accelerator.empty_cache()
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def _device_name(runtime: Any) -> str:
+    """The device's name as the platform's probe reported it (the host's processor on CPU)."""
+    probe = runtime.selected.probe
+    if runtime.device.type != "cpu" and probe is not None and probe.devices:
+        return probe.devices[0].name
     return host_platform.processor() or host_platform.machine()
 
 
