@@ -1,10 +1,6 @@
-import os
-
 import numpy as np
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET=1 on machines without a GPU is set by the repository's root conftest.py
 
 
 def _round_float32_to_bfloat16_like_gpus() -> bool:
