@@ -72,9 +72,12 @@ def setup(tmp_path_factory, device_runtime):
     return model_dir, batch, params, want
 
 
-def test_device_greedy_equals_cpu(setup, device_runtime):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["captured", "eager"])
+def test_device_greedy_equals_cpu(setup, device_runtime, enforce_eager):
     model_dir, batch, params, want = setup
-    llm = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, swap_space=0)
+    llm = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, swap_space=0, enforce_eager=enforce_eager)
+    captures = device_runtime.platform.graph_capture and not enforce_eager
+    assert bool(llm.captured_batch_sizes) == captures
     assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want
 
 

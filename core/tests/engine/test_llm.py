@@ -13,6 +13,7 @@ from llm_helpers import assert_pool_empty, hf_greedy, make_llm, prompts, token_i
 from vllm_port import SamplingParams
 from vllm_port.engine.runner import flat_step
 from vllm_port.errors import ModelLoadError
+from vllm_port.graph import GraphCapture
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -269,6 +270,36 @@ def test_the_step_function_is_a_seam(llama_model, cpu_runtime, alone):
     llm = make_llm(llama_model, cpu_runtime, make_step=lambda runner: flat_step(Flat(runner)))
     assert token_ids(llm.generate(batch, params)) == want
     assert True in calls and False in calls
+
+
+class _CallingCapture(GraphCapture):
+    """Graph capture's stand-in on CPU: a replay calls the captured step again (what a replay computes)."""
+
+    name = "calling capture"
+
+    def capture(self, step, warmup=2):
+        for _ in range(warmup):
+            step()
+        return step
+
+
+def test_decode_steps_replay_captured_graphs_where_the_platform_captures(
+    llama_model, cpu_runtime, alone, monkeypatch
+):
+    batch, params, want = alone
+    assert make_llm(llama_model, cpu_runtime).captured_batch_sizes == []  # the CPU plugin captures nothing
+    monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
+    llm = make_llm(llama_model, cpu_runtime, max_num_seqs=12, max_num_batched_tokens=8, block_size=4)
+    assert llm.captured_batch_sizes == [1, 2, 4, 8, 12]
+    replays = []
+    graphs = llm.runner.decode_graphs
+    monkeypatch.setattr(graphs, "bucket", lambda n: replays.append(n) or type(graphs).bucket(graphs, n))
+    # batches of every size up to len(batch), padded to the captured sizes; chunked prefill between them
+    assert token_ids(llm.generate(batch, params)) == want
+    assert len(replays) >= params.max_tokens - 1 and {1, len(batch)} <= set(replays)
+    assert_pool_empty(llm)
+    eager = make_llm(llama_model, cpu_runtime, enforce_eager=True)
+    assert eager.captured_batch_sizes == [] and token_ids(eager.generate(batch, params)) == want
 
 
 def test_interleaved_calls_each_get_their_own_tokens(llama_model, cpu_runtime, alone):

@@ -172,6 +172,8 @@ def run_engine(
             "ttft_mean_s": sum(first_token.values()) / max(len(first_token), 1),
             "platform": llm.runtime.platform.name,
             "provider_per_op": llm.provider_per_op,
+            "captured_batch_sizes": llm.captured_batch_sizes,
+            "tensor_parallel_size": llm_kwargs.get("tensor_parallel_size", 1),
         }
     finally:
         llm.close()
@@ -240,7 +242,9 @@ def run_vllm(python: str, model_dir: Path, prompts_file: Path, w: Workload, rese
     return json.loads(lines[-1])
 
 
-def _decode_rates(model_dir: Path, w: Workload, device: str | None, step: str) -> list[dict[str, Any]]:
+def _decode_rates(
+    model_dir: Path, w: Workload, device: str | None, step: str, **llm_kwargs: Any
+) -> list[dict[str, Any]]:
     """Decode tok/s at each of ``w.decode_batches`` with its memory-bandwidth utilisation.
 
     Decode time is the run's wall time minus the one-token run's (the prefill); the bytes of a
@@ -252,7 +256,7 @@ def _decode_rates(model_dir: Path, w: Workload, device: str | None, step: str) -
     rows = []
     for batch in w.decode_batches:
         wb = replace(w, num_requests=batch)
-        res = run_engine(model_dir, make_prompts(wb, seed=1), wb, device, step)
+        res = run_engine(model_dir, make_prompts(wb, seed=1), wb, device, step, **llm_kwargs)
         decode_s = res["elapsed_s"] - res["ttft_batch_s"]
         steps = w.output_len - 1
         kv_token_bytes = 2 * w.num_layers * w.num_kv_heads * (w.hidden_size // w.num_heads) * _itemsize(w.dtype)
@@ -320,9 +324,18 @@ def run(
     step: str = "eager",
     seed: int = 0,
     tensor_parallel_size: int = 1,
+    enforce_eager: bool = False,
+    save_model: str | None = None,
 ) -> dict[str, Any]:
-    """Run the workload through every system asked for; return the results (what ``--json`` writes)."""
+    """Run the workload through every system asked for; return the results (what ``--json`` writes).
+
+    ``save_model``: build the model into this directory unless it already holds one (kept for later runs).
+    """
     with tempfile.TemporaryDirectory(prefix="vllm-port-bench-engine-") as tmp:
+        if model_dir is None and save_model is not None:
+            model_dir = save_model
+            if not (Path(save_model) / "config.json").is_file():
+                build_model(Path(save_model), w, seed, "cuda" if _on_gpu(device) else "cpu")
         if model_dir is None:
             model_dir = str(build_model(Path(tmp) / "model", w, seed, "cuda" if _on_gpu(device) else "cpu"))
         prompts = make_prompts(w, seed)
@@ -330,8 +343,10 @@ def run(
         prompts_file.write_text(json.dumps(prompts))
         results: dict[str, Any] = {}
         load_before = os.getloadavg()[0]
+        kw: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+        if enforce_eager:
+            kw["enforce_eager"] = True
         if "engine" in systems:
-            kw = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
             results["engine"] = run_engine(Path(model_dir), prompts, w, device, step, **kw)
         if vllm_python and "vllm" in systems:
             results["vllm"] = run_vllm(vllm_python, Path(model_dir), prompts_file, w, reserve_none=False)
@@ -340,7 +355,7 @@ def run(
             results["transformers"] = run_transformers(
                 Path(model_dir), prompts, w, "cuda" if _on_gpu(device) else "cpu"
             )
-        decode = _decode_rates(Path(model_dir), w, device, step) if w.decode_batches else []
+        decode = _decode_rates(Path(model_dir), w, device, step, **kw) if w.decode_batches else []
     vllm_rates = [
         results[k]["output_tok_s"] for k in ("vllm", "vllm-all-cores") if "output_tok_s" in results.get(k, {})
     ]
@@ -389,6 +404,13 @@ def render(result: dict[str, Any]) -> str:
             continue
         mean = f"{r['ttft_mean_s']:.3f}" if r.get("ttft_mean_s") is not None else "-"
         lines.append(f"| {name} | {r['output_tok_s']:,.0f} | {r['ttft_batch_s']:.3f} | {mean} | {r['elapsed_s']:.2f} |")
+    engine = result["results"].get("engine", {})
+    if "captured_batch_sizes" in engine:
+        sizes = engine["captured_batch_sizes"]
+        how = (
+            f"replay captured graphs at {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]})" if sizes else "run eagerly"
+        )
+        lines.append(f"\nengine: decode steps {how}; tensor parallel size {engine['tensor_parallel_size']}")
     if result["engine_over_best_vllm"] is not None:
         lines.append(f"\nengine / faster vLLM configuration: {result['engine_over_best_vllm']:.2f}x")
     if result["decode"]:
@@ -433,7 +455,18 @@ def main(args: Any) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     systems = tuple(args.systems.split(","))
-    result = run(w, args.model, args.device, args.vllm_python, systems, args.step, args.seed, args.tensor_parallel_size)
+    result = run(
+        w,
+        args.model,
+        args.device,
+        args.vllm_python,
+        systems,
+        args.step,
+        args.seed,
+        args.tensor_parallel_size,
+        args.enforce_eager,
+        args.save_model,
+    )
     result["command"] = " ".join(["vllm-port", *sys.argv[1:]])
     print(render(result))
     if args.json:
@@ -460,6 +493,14 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--systems", default="engine,transformers,vllm", help="which to run (comma-separated)")
     parser.add_argument("--step", default="eager", choices=["eager", "flat"], help="the engine's step function")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="the engine replays no captured graphs (default: it does where it can)",
+    )
+    parser.add_argument(
+        "--save-model", default=None, help="build the random model into this directory, or reuse the one there"
+    )
     parser.add_argument("--vllm-python", default=None, help="the python of a vLLM venv (dev/setup-vllm-peer)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for this process")
     parser.add_argument("--seed", type=int, default=0)

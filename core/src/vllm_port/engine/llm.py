@@ -130,7 +130,10 @@ class LLM:
     :param seed: seeds the per-request seeds of requests that give none (``None``: fresh each run).
     :param plugins: allow/deny list of plugins for discovery (as ``VLLM_PORT_PLUGINS``).
     :param make_step: builds the runner's step function (:data:`~vllm_port.engine.runner.StepFunction`)
-        from the runner, e.g. a compiled or graph-captured one; default: the model's eager forward.
+        from the runner, e.g. a compiled one; default: the model's eager forward.
+    :param enforce_eager: never replay captured graphs. By default decode steps are captured as
+        device graphs per batch size on platforms that offer graph capture (the CUDA plugin does;
+        the CPU plugin does not, and there every step runs as it is).
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -152,6 +155,7 @@ class LLM:
         seed: int | None = None,
         plugins: str | None = None,
         make_step: Callable[[ModelRunner], StepFunction] | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.model_dir = Path(model) if model is not None else bundled_model_dir()
         self.runtime = device if isinstance(device, Runtime) else load(plugins, None if device == "auto" else device)
@@ -191,6 +195,10 @@ class LLM:
                 self.runtime.reclaimer(),
                 self.runner.swap_pool,
                 reclaimer_name=f"plugin {self.runtime.reclaimer_plugin!r}'s reclaimer",
+            )
+            #: the decode batch sizes replayed from captured graphs (empty: every step eager)
+            self.captured_batch_sizes = (
+                [] if enforce_eager else self.runner.capture_decode(max_num_seqs, self.max_model_len)
             )
         except BaseException:
             self.close()

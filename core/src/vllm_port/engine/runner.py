@@ -7,9 +7,12 @@ It owns the model, the bound kernels (``runtime.bind``), the paged KV cache and 
 2. one host-to-device copy of the step's integer metadata (pinned staging where the platform has a
    pinned host tier, so the copy does not wait for the device);
 3. the **step function** (:data:`StepFunction`): the model's forward over the packed tokens and the
-   logits of the rows that sample. This is the seam where a compiled or graph-captured step plugs
-   in (``make_step``; :func:`flat_step` adapts ``vllm_port.flat``'s models); :func:`eager_step`, the
-   default, runs ``LlamaModel.forward`` with the bound kernels;
+   logits of the rows that sample. This is the seam where a compiled step plugs in (``make_step``;
+   :func:`flat_step` adapts ``vllm_port.flat``'s models); :func:`eager_step`, the default, runs
+   ``LlamaModel.forward`` with the bound kernels. After :meth:`ModelRunner.capture_decode`, decode
+   steps (one token per sequence) replay that step captured as device graphs per batch size
+   (:class:`~vllm_port.flat.capture.DecodeGraphs`) on platforms with graph capture: one launch
+   instead of hundreds, which is what a batch-1 decode step on a GPU is bound by;
 4. the bound ``sample`` op on the device, seeds ``seed + step`` per request (a step whose rows
    are all greedy takes the argmax, lowest id on ties: what the op returns for such rows);
 5. reading the sampled ids: the step's only host synchronisation.
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import MemoryContractError
+from ..flat.capture import DecodeGraphs, padded_batch_sizes
 from ..memory import KVLayout
 from ..models import AttentionMetadata, LlamaModel, load_model
 from ..ops import BoundOps
@@ -116,6 +120,8 @@ class ModelRunner:
         self.step = make_step(self) if make_step is not None else eager_step(model, self.ops)
         #: stage host metadata in page-locked memory, so its copy to the device does not wait for it
         self._pinned = "pinned_host" in runtime.platform.memory_tiers
+        #: decode steps captured per batch size (:meth:`capture_decode`), or ``None``: every step eager
+        self.decode_graphs: DecodeGraphs | None = None
 
     def _swap_cache(self, swap_space: int) -> Any:
         if not swap_space:
@@ -149,6 +155,44 @@ class ModelRunner:
         if self.swap is not None:
             self.swap.close()
 
+    def capture_decode(self, max_num_seqs: int, max_model_len: int) -> list[int]:
+        """Capture the decode step for batches up to ``max_num_seqs`` over contexts up to ``max_model_len``.
+
+        Returns the captured batch sizes: empty where the platform has no graph capture (every
+        step then stays as it is). Capturing runs the step a few times on padding sequences, which
+        write nothing to the cache and read nothing from it.
+        """
+        capture = self.runtime.graph_capture()
+        if capture is None:
+            return []
+        sizes = padded_batch_sizes(max_num_seqs)
+        with torch.inference_mode():
+            self.decode_graphs = DecodeGraphs(
+                self._decode_step(sizes[-1]), capture, sizes, -(-max_model_len // self.block_size), self.device
+            )
+        return sizes
+
+    def _decode_step(self, largest: int) -> Any:
+        """The step function as a decode step: every sequence one token, every row's logits."""
+        cu_seqlens = torch.arange(largest + 1, dtype=torch.int32, device=self.device)
+        rows = torch.arange(largest, dtype=torch.int64, device=self.device)
+
+        def step(input_ids, positions, slot_mapping, block_tables, seq_lens):
+            n = input_ids.shape[0]
+            meta = AttentionMetadata(slot_mapping, block_tables, seq_lens, cu_seqlens[: n + 1], 1, is_decode=True)
+            return self.step(input_ids, positions, self.kv_caches, meta, rows[:n])
+
+        return step
+
+    def _captured(self, batch: StepBatch) -> bool:
+        graphs = self.decode_graphs
+        return (
+            graphs is not None
+            and batch.is_decode
+            and len(batch.query_lens) <= graphs.batch_sizes[-1]
+            and len(batch.sample_rows) == len(batch.query_lens)
+        )
+
     # --- one step ----------------------------------------------------------------------------------
 
     def execute(self, batch: StepBatch) -> list[int]:
@@ -158,7 +202,10 @@ class ModelRunner:
             return []
         with torch.inference_mode():
             ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
-            logits = self.step(ids, positions, self.kv_caches, meta, rows)
+            if self._captured(batch):  # rows are every sequence, in order
+                logits = self.decode_graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            else:
+                logits = self.step(ids, positions, self.kv_caches, meta, rows)
             if not batch.sample_rows:
                 return []
             if any(batch.temperatures):
