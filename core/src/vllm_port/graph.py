@@ -26,5 +26,7 @@ class GraphCapture(abc.ABC):
 
         ``step`` reads and writes only tensors it closes over; their addresses are frozen into
         the graph, so a caller refills those tensors in place before each replay. The replay
-        returns the tensors ``step`` returned during capture, refreshed by each replay.
+        returns the tensors ``step`` returned during capture, refreshed by each replay. The caller
+        keeps ``step``, and so what it closes over, alive as long as it replays: the graph holds
+        raw addresses, and memory freed under it is reused by other tensors.
         """

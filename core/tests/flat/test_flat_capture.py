@@ -53,6 +53,32 @@ def test_batches_the_graphs_cannot_hold_are_refused():
     assert padded_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
+def test_the_graphs_keep_their_step_alive():
+    """A graph holds raw addresses of what its step closed over: that memory must not be freed under it."""
+    import gc
+    import weakref
+
+    class ForgetfulCapture(CallingCapture):  # like a real capture: the replay does not hold the step
+        def capture(self, step, warmup=2):
+            out = step()
+            return lambda: out
+
+    def make_step():
+        rows = torch.arange(4)  # what a step closes over, as the engine's decode step does
+
+        def step(*args):
+            return rows
+
+        return step
+
+    step = make_step()
+    alive = weakref.ref(step)
+    graphs = DecodeGraphs(step, ForgetfulCapture(), [1, 4], max_blocks_per_seq=2, device="cpu")
+    del step
+    gc.collect()
+    assert alive() is not None and graphs.step is alive()
+
+
 def test_padding_rows_leave_the_cache_untouched(tiny_dirs, cpu_runtime):
     model = load_model(tiny_dirs["qwen2"], torch.device("cpu"), torch.float32)
     runner = FlatModel(model, cpu_runtime, compile=False, block_size=4)

@@ -71,6 +71,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.full((largest,), pad_seq_len, dtype=torch.int32, device=device)
+        # a graph reads the memory of whatever its step closed over (index tensors, caches): the
+        # step must live as long as the graphs, or that memory is reused under them
+        self.step = step
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         for size in reversed(sizes):  # largest first: smaller graphs reuse its memory pool
             self.replays[size] = capture.capture(self._bound(step, size), warmup=warmup)
