@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from certify_helpers import Certified, run_certify, write_plugin
@@ -63,7 +65,7 @@ def test_the_report_carries_a_digest_of_the_sources_it_ran(cpu_certified):
 
 def test_a_full_scope_report_and_the_first_probe(cpu_certified):
     report = cpu_certified.report
-    assert report["report_version"] == 3
+    assert report["report_version"] == certify.REPORT_VERSION == 4
     assert report["scope"] == {
         "devices": 1,
         "devices_found": 1,
@@ -85,6 +87,62 @@ def test_the_commit_the_runner_names_wins_over_the_checkout(monkeypatch):
     monkeypatch.setenv(certify.COMMIT_ENV, "0123abc")
     got = certify._git()
     assert got["commit"] == "0123abc" and got["dirty"] == "unknown" and certify.COMMIT_ENV in got["from"]
+
+
+def test_the_report_names_the_plugins_own_commit(cpu_certified, tmp_path, capsys):
+    about = cpu_certified.report["plugin"]
+    assert about["distribution"] == "vllm-port-cpu" and about["version"]
+    assert about["git"]["commit"] == certify._git()["commit"]  # the in-tree plugin: this checkout
+    assert "the checkout of" in about["git"]["from"] and "plugins/vllm-port-cpu" in about["git"]["from"]
+    assert "| vllm-port-cpu commit |" in (cpu_certified.report_dir / "report.md").read_text()
+    status, out = _verify(tmp_path, cpu_certified.report, capsys)
+    assert status == 0 and "plugin: vllm-port-cpu" in out
+
+
+def test_the_plugin_commit_comes_from_its_own_checkout_or_the_runner(tmp_path, monkeypatch):
+    monkeypatch.delenv(certify.PLUGIN_COMMIT_ENV, raising=False)
+    repo = tmp_path / "vendor"
+    repo.mkdir()
+    module = write_plugin(repo, "vendorchip", "from vllm_port import hookimpl\n")
+    git = ["git", "-c", "user.email=v@example.com", "-c", "user.name=v", "-C", str(repo)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "vendor"]):
+        subprocess.run([*git, *args], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    monkeypatch.syspath_prepend(str(repo))
+    try:
+        got = certify.plugin_git("vendorchip")
+        assert got == {"commit": commit, "dirty": False, "from": f"the checkout of {repo.resolve()}"}
+        (repo / f"{module}.py").write_text("# edited\n")
+        assert certify.plugin_git("vendorchip")["dirty"] is True
+        monkeypatch.setenv(certify.PLUGIN_COMMIT_ENV, "feedbeef")
+        assert certify.plugin_git("vendorchip")["commit"] == "feedbeef"
+    finally:
+        sys.modules.pop(module, None)
+
+
+def test_a_copy_inside_another_repository_is_not_given_its_commit(tmp_path, monkeypatch):
+    # an installed copy lying in a vendor's .tox/ (untracked) must not take the vendor's commit
+    monkeypatch.delenv(certify.PLUGIN_COMMIT_ENV, raising=False)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    site = tmp_path / ".tox" / "site"
+    site.mkdir(parents=True)
+    module = write_plugin(site, "untracked", "from vllm_port import hookimpl\n")
+    monkeypatch.syspath_prepend(str(site))
+    try:
+        got = certify.plugin_git("untracked")
+        assert got["commit"] == "unknown" and certify.PLUGIN_COMMIT_ENV in got["from"]
+    finally:
+        sys.modules.pop(module, None)
+
+
+def test_verify_wants_the_plugin_commit_from_version_4_on():
+    report = _minimal_failed()
+    report["report_version"], report["plugin"] = 4, {"name": "x", "distribution": "x", "version": "1"}
+    report["digest"] = certify.digest(report)
+    assert certify.verify(report) == ["missing key 'plugin.git'"]
+    report["report_version"] = 3  # older reports hold without it
+    report["digest"] = certify.digest(report)
+    assert certify.verify(report) == []
 
 
 def test_verify_rejects_an_edited_field(cpu_certified, tmp_path, capsys):

@@ -57,7 +57,9 @@ __all__ = [
 #: the closed set of states a test can end in; ``out_of_scope``: beyond the report's scope (see ``scope``)
 STATES = ("passed", "failed", "error", "skipped", "waived", OUT_OF_SCOPE)
 VERDICTS = ("certified", "not certified", "could not run")
-REPORT_VERSION = 3  # 2: the source digest; 3: the scope, the first probe, every distribution in the digest
+#: 2: the source digest; 3: the scope, the first probe, every distribution in the digest; 4: the plugin's own
+#: commit (``plugin.git``), for plugins whose source lives outside vllm-port's repository
+REPORT_VERSION = 4
 REQUIRED_KEYS = (
     "report_version",
     "plugin",
@@ -78,14 +80,17 @@ REQUIRED_KEYS = (
     "digest",
 )
 REQUIRED_KEYS_V3 = ("scope", "probe")
+#: what a version 4 report says about the plugin
+PLUGIN_KEYS_V4 = ("name", "distribution", "version", "git")
 #: the only checks a report may leave out of scope: those of comm that need a second device
 SCOPED_TESTS = "test_comm::"
 SUITE = "vllm_port_conformance.checks"
 #: what a plugin that fails to load is still checked by: the checks that say why
 LOAD_CHECKS = "vllm_port_conformance.checks.test_platform"
-DEFAULT_WAIVERS = Path(__file__).resolve().parents[2] / "waivers.toml"  # conformance/waivers.toml in a checkout
+DEFAULT_WAIVERS = Path(__file__).resolve().parent / "waivers.toml"  # package data: found from a wheel too
 OP_TESTS = ("test_ops::test_provider_",)
 COMMIT_ENV = "VLLM_PORT_GIT_COMMIT"
+PLUGIN_COMMIT_ENV = "VLLM_PORT_PLUGIN_GIT_COMMIT"
 
 
 @dataclass(frozen=True)
@@ -137,22 +142,83 @@ def _git() -> dict[str, Any]:
     sent = os.environ.get(COMMIT_ENV, "").strip()
     if sent:
         return {"commit": sent, "dirty": "unknown", "from": f"{COMMIT_ENV}, set by the runner"}
-    where = Path(__file__).resolve().parent
+    here = Path(__file__).resolve()
+    return _git_at(here.parent, here)
+
+
+def _git_at(where: Path, tracked: Path | None = None) -> dict[str, Any]:
+    """The commit and dirty flag of the git checkout at ``where``, when ``tracked`` is one of its files.
+
+    A file that is not tracked there (an installed copy in a virtualenv that happens to lie inside
+    some repository, such as a vendor's ``.tox/``) gives ``unknown``: that repository's commit is not
+    the file's.
+    """
     git = shutil.which("git")
-    if git is None:
+    if git is None or not where.is_dir():
         return {"commit": "unknown", "dirty": "unknown"}
 
     def run(*args: str) -> str:
-        # S603: the arguments are constants; git is the one found on PATH
+        # S603: the arguments are constants and paths; git is the one found on PATH
         return subprocess.run(  # noqa: S603
             [git, *args], cwd=where, capture_output=True, text=True, timeout=30, check=True
         ).stdout
 
     try:
+        if tracked is not None:
+            run("ls-files", "--error-unmatch", str(tracked))
         commit, status = run("rev-parse", "HEAD").strip(), run("status", "--porcelain")
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown", "dirty": "unknown"}
     return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def plugin_git(plugin: str) -> dict[str, Any]:
+    """The commit of the plugin's own source, which may live outside vllm-port's repository.
+
+    In order: ``VLLM_PORT_PLUGIN_GIT_COMMIT`` (a runner that copied the vendor's tree names it); the
+    git checkout the plugin's module is imported from (an editable install, as tox's and pip's
+    ``-e``); the commit pip recorded when it installed from a VCS URL; the checkout of the local
+    folder pip installed from. Otherwise ``unknown``, with what to do about it.
+    """
+    sent = os.environ.get(PLUGIN_COMMIT_ENV, "").strip()
+    if sent:
+        return {"commit": sent, "dirty": "unknown", "from": f"{PLUGIN_COMMIT_ENV}, set by the runner"}
+    ep = next((e for e in metadata.entry_points(group="vllm_port") if e.name == plugin), None)
+    if ep is None:
+        return {"commit": "unknown", "dirty": "unknown", "from": f"no installed plugin is called {plugin!r}"}
+    try:
+        spec = importlib.util.find_spec(ep.module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin is not None:
+        origin = Path(spec.origin).resolve()
+        found = _git_at(origin.parent, origin)
+        if found["commit"] != "unknown":
+            return {**found, "from": f"the checkout of {origin.parent}"}
+    direct = _direct_url(ep)
+    if "vcs_info" in direct and direct["vcs_info"].get("commit_id"):
+        return {"commit": direct["vcs_info"]["commit_id"], "dirty": False, "from": f"pip installed {direct['url']}"}
+    if "dir_info" in direct and str(direct.get("url", "")).startswith("file://"):
+        folder = Path(direct["url"].removeprefix("file://"))
+        found = _git_at(folder, folder / "pyproject.toml")
+        if found["commit"] != "unknown":
+            return {**found, "from": f"the checkout pip installed from ({folder})"}
+    return {
+        "commit": "unknown",
+        "dirty": "unknown",
+        "from": f"not installed from a git checkout; name the commit in {PLUGIN_COMMIT_ENV}",
+    }
+
+
+def _direct_url(ep: Any) -> dict[str, Any]:
+    """PEP 610's record of where pip installed the entry point's distribution from (empty when none)."""
+    dist = getattr(ep, "dist", None)
+    text = dist.read_text("direct_url.json") if dist is not None else None
+    try:
+        found = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _top(module: Any) -> str:
@@ -395,7 +461,12 @@ def certify(
     verdict, reason = _verdict(device, tests, scope)
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
-        "plugin": {"name": plugin, "distribution": record.distribution, "version": record.version},
+        "plugin": {
+            "name": plugin,
+            "distribution": record.distribution,
+            "version": record.version,
+            "git": plugin_git(plugin),
+        },
         "versions": {
             "vllm-port": _version("vllm-port"),
             "plugin": record.version or "unknown",
@@ -439,6 +510,9 @@ def verify(report: Any) -> list[str]:
         return ["the report is not a JSON object"]
     required = REQUIRED_KEYS + (REQUIRED_KEYS_V3 if _version_of(report) >= 3 else ())
     problems = [f"missing key {k!r}" for k in required if k not in report]
+    if _version_of(report) >= 4:
+        about = report.get("plugin") if isinstance(report.get("plugin"), dict) else {}
+        problems += [f"missing key 'plugin.{k}'" for k in PLUGIN_KEYS_V4 if k not in about]
     if report.get("digest") != digest(report):
         problems.append("digest mismatch: the report was edited after it was written")
     tests = report.get("tests")
@@ -510,9 +584,12 @@ def render(report: dict[str, Any]) -> str:
         "| component | version |",
         "| --- | --- |",
         *(f"| {k} | {v} |" for k, v in report["versions"].items()),
-        f"| git commit | {report['git']['commit']} (dirty: {report['git']['dirty']}"
-        + (f"; from {report['git']['from']}" if "from" in report["git"] else "")
-        + ") |",
+        f"| git commit | {_commit_text(report['git'])} |",
+        *(
+            [f"| {report['plugin']['distribution']} commit | {_commit_text(report['plugin']['git'])} |"]
+            if "git" in report["plugin"]
+            else []
+        ),
         f"| source sha256 | {report['source']['sha256']} ({report['source']['files']} files of "
         f"{', '.join(report['source']['packages'])}"
         + (
@@ -571,6 +648,10 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _commit_text(git: dict[str, Any]) -> str:
+    return f"{git['commit']} (dirty: {git['dirty']}" + (f"; from {git['from']}" if "from" in git else "") + ")"
+
+
 def _scope_line(scope: dict[str, Any], found: int) -> str:
     if not scope:
         return f"Scope: not recorded (a report before version 3); {found} device(s) found."
@@ -606,6 +687,9 @@ def main(
         if loaded.get("scope"):
             sc = loaded["scope"]
             print(f"scope: {sc['label']} ({sc['devices']} device(s), comm checks on {sc['comm_ranks']} rank(s))")
+        about = loaded.get("plugin") or {}
+        if isinstance(about.get("git"), dict):
+            print(f"plugin: {about['distribution']} {about['version']} at commit {_commit_text(about['git'])}")
         here = source_digest(loaded["source"]["packages"])["sha256"]
         same = here == loaded["source"]["sha256"]
         print(f"source: {'the same as' if same else 'differs from'} the packages installed here (sha256 {here})")

@@ -28,7 +28,7 @@ def _bench_dispatch(args: argparse.Namespace) -> int:
 def _bench_ops(args: argparse.Namespace) -> int:
     from .bench import ops
 
-    return ops.main(args.device, args.dtype, args.ops, args.max_tokens, args.json, args.plot)
+    return ops.main(args.device, args.dtype, args.ops, args.max_tokens, args.json, args.plot, full=args.full)
 
 
 def _bench_comm(args: argparse.Namespace) -> int:
@@ -118,8 +118,69 @@ def _certify(args: argparse.Namespace) -> int:
     return certify.main(args.plugin, args.report, args.json, args.waivers, args.verify, devices=args.devices)
 
 
+def version_text() -> str:
+    """Core's version and contract API, then each installed plugin's distribution and version (none is imported)."""
+    from importlib import metadata
+
+    from . import __version__
+    from .api import API_VERSION
+    from .discovery import ENTRY_POINT_GROUP
+
+    lines = [f"vllm-port {__version__} (contract API {API_VERSION})"]
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        lines.append(f"  plugin {ep.name:<12} {dist.name if dist else '?'} {dist.version if dist else '?'}")
+    try:
+        lines.append(f"  suite  {'conformance':<12} vllm-port-conformance {metadata.version('vllm-port-conformance')}")
+    except metadata.PackageNotFoundError:
+        pass
+    return "\n".join(lines)
+
+
+class _PrintVersion(argparse.Action):
+    """``--version``: print :func:`version_text` and exit, whatever else the command line holds."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=str(kwargs.get("help", "")))
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
+#: Options whose value may start with a dash (``--plugins -xpu`` denies a plugin, as the README writes it).
+DASH_VALUE_OPTIONS = ("--plugins",)
+
+
+def join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``["--plugins", "-xpu"]`` -> ``["--plugins=-xpu"]``: argparse would read ``-xpu`` as an unknown option."""
+    joined: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg in DASH_VALUE_OPTIONS:
+            value = next(args, None)
+            if value is not None and value.startswith("-") and not value.startswith("--"):
+                joined.append(f"{arg}={value}")
+                continue
+            joined.append(arg)
+            if value is not None:
+                joined.append(value)
+            continue
+        joined.append(arg)
+    return joined
+
+
+def _new_plugin(args: argparse.Namespace) -> int:
+    from .scaffold import main
+
+    return main(args.name, args.path, args.device_type)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-port", description="The portable hardware layer for LLM inference.")
+    parser.add_argument(
+        "--version", action=_PrintVersion, help="print the versions of core and of every installed plugin, and exit"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     doctor = commands.add_parser("doctor", help="list plugins, the selected platform, bound ops, and smoke-test them")
@@ -127,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--plugins",
         default=None,
-        help="plugins to load, e.g. 'cpu,cuda' or '-xpu' (default: $VLLM_PORT_PLUGINS, else all)",
+        help="plugins to load, e.g. 'cpu,cuda', or deny some: '-rocm,-xpu' (default: $VLLM_PORT_PLUGINS, else all)",
     )
     doctor.add_argument(
         "--device",
@@ -143,7 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     certify.add_argument("--report", default=None, metavar="DIR", help="write DIR/report.json and DIR/report.md")
     certify.add_argument("--json", action="store_true", help="print the report as JSON")
     certify.add_argument(
-        "--waivers", default=None, metavar="FILE", help="TOML waiver file (default: conformance/waivers.toml)"
+        "--waivers",
+        default=None,
+        metavar="FILE",
+        help="TOML waiver file (default: the suite's own, vllm_port_conformance/waivers.toml)",
     )
     certify.add_argument("--verify", default=None, metavar="REPORT", help="check a report.json's digest and contents")
     certify.add_argument(
@@ -154,6 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="certify for N devices: checks that need more are out of the report's scope (default: every one found)",
     )
     certify.set_defaults(run=_certify)
+
+    new_plugin = commands.add_parser(
+        "new-plugin", help="generate a vendor plugin package that certifies on a device torch knows, then make it yours"
+    )
+    new_plugin.add_argument("name", help="the plugin's name: lowercase words joined by '_', e.g. mychip")
+    new_plugin.add_argument(
+        "--path", default=None, metavar="DIR", help="the package's folder (default ./vllm-port-NAME)"
+    )
+    new_plugin.add_argument(
+        "--device-type",
+        default="cpu",
+        metavar="TYPE",
+        help="the torch device type it runs on until yours: cpu (default), cuda, xpu...",
+    )
+    new_plugin.set_defaults(run=_new_plugin)
 
     inspect = commands.add_parser(
         "inspect", help="a model's flat graph: each node's op, bound provider, shapes, layer; fusions fired"
@@ -186,7 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
     ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ops.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
-    ops.add_argument("--max-tokens", type=int, default=32768, help="skip token counts above this (CPU runs: ~1024)")
+    ops.add_argument("--max-tokens", type=int, default=32768, help="skip token counts above this")
+    ops.add_argument(
+        "--full",
+        action="store_true",
+        help="on a CPU, time every size (up to 32k tokens: many minutes, ~15 GB); by default CPU runs stop at "
+        "sizes that finish in minutes within a few GB",
+    )
     ops.add_argument("--json", default=None, help="write the results to this JSON file")
     ops.add_argument("--plot", default=None, help="draw fraction-of-ceiling vs tokens to this PNG file")
     ops.set_defaults(run=_bench_ops)
@@ -236,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
     return int(args.run(args))
 
 

@@ -26,11 +26,15 @@ class DeviceInfo:
         name: the vendor's name for the device, e.g. ``"NVIDIA H200"``.
         total_memory: bytes of memory the device has (0 when the probe could not read it cheaply).
         arch: architecture tag: ``"sm_90"``, ``"gfx942"``, ``"x86_64"``...
+        compute_units: the multiprocessors the shared kernels size their grids by (SMs on NVIDIA,
+            CUs on AMD, Xe cores on Intel); 0 when the probe could not read it cheaply, and then
+            :func:`vllm_port.device_properties.compute_units` reads it from torch when a kernel asks.
     """
 
     name: str
     total_memory: int = 0
     arch: str = ""
+    compute_units: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,12 @@ def validate_probe(value: Any) -> ProbeResult:
     for device in value.devices:
         if not isinstance(device.total_memory, int) or device.total_memory < 0:
             raise ValueError(f"DeviceInfo.total_memory must be a non-negative int, got {device.total_memory!r}")
+        if (
+            not isinstance(device.compute_units, int)
+            or isinstance(device.compute_units, bool)
+            or device.compute_units < 0
+        ):
+            raise ValueError(f"DeviceInfo.compute_units must be a non-negative int, got {device.compute_units!r}")
     if not isinstance(value.capabilities, Mapping):
         raise ValueError(f"ProbeResult.capabilities must be a mapping, got {type(value.capabilities).__name__}")
     for key, cap in value.capabilities.items():

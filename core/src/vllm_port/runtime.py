@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from . import device_properties
 from .comm import Collectives, Communicator, PointToPoint
 from .discovery import Discovery, PluginRecord, discover, first_result
 from .errors import MemoryContractError, PluginError, SelectionError
@@ -90,6 +91,9 @@ class Runtime:
         self._reclaimer: Reclaimer | None = None
         #: the plugin whose reclaimer answered (``"vllm-port"``: core's default), once ``reclaimer()`` ran
         self.reclaimer_plugin = ""
+        if selected.description is not None and selected.probe is not None:
+            # the shared kernels size their grids by the selected platform's devices (device_properties)
+            device_properties.publish(selected.description.device_type, selected.probe.devices)
 
     @property
     def platform(self) -> PlatformDescription:

@@ -13,6 +13,7 @@ from llm_helpers import assert_pool_empty, hf_greedy, make_llm, prompts, token_i
 from vllm_port import SamplingParams
 from vllm_port.engine.runner import flat_step
 from vllm_port.errors import ModelLoadError
+from vllm_port.flat import FlatModel
 from vllm_port.graph import GraphCapture
 
 FAMILIES = ["llama", "qwen2", "mistral"]
@@ -283,13 +284,20 @@ class _CallingCapture(GraphCapture):
         return step
 
 
+def _flat_step(runner):  # what default_step gives on platforms that capture graphs
+    return flat_step(FlatModel(runner.model, runner.runtime, compile=False, block_size=runner.block_size))
+
+
+@pytest.mark.parametrize("make_step", [None, _flat_step], ids=["model-forward", "flat-graphs"])
 def test_decode_steps_replay_captured_graphs_where_the_platform_captures(
-    llama_model, cpu_runtime, alone, monkeypatch
+    llama_model, cpu_runtime, alone, monkeypatch, make_step
 ):
     batch, params, want = alone
     assert make_llm(llama_model, cpu_runtime).captured_batch_sizes == []  # the CPU plugin captures nothing
     monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
-    llm = make_llm(llama_model, cpu_runtime, max_num_seqs=12, max_num_batched_tokens=8, block_size=4)
+    llm = make_llm(
+        llama_model, cpu_runtime, max_num_seqs=12, max_num_batched_tokens=8, block_size=4, make_step=make_step
+    )
     assert llm.captured_batch_sizes == [1, 2, 4, 8, 12]
     replays = []
     graphs = llm.runner.decode_graphs

@@ -9,7 +9,7 @@ import torch
 from vllm_port.errors import OpInputError
 from vllm_port.ops import ALL_OPS, BindContext, OpRegistry
 from vllm_port.ops.rotary import make_cos_sin_cache
-from vllm_port_cpu import ops, sampling
+from vllm_port_cpu import native, ops, sampling
 
 OPS = {op.name: op for op in ALL_OPS}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -25,16 +25,21 @@ def samples(op_name, dtype):
 
 
 def test_one_provider_per_op_each_with_the_reference_signature_and_all_bind_on_cpu():
-    assert [p.op for p in ops.PROVIDERS] == [op.name for op in ALL_OPS]
+    # the native attention kernels (test_cpu_native_attention.py) sit above the torch providers of their ops
+    native_ops = {p.op for p in ops.PROVIDERS if p.name.startswith("cpu_native_")}
+    assert native_ops == {"paged_attention", "prefill_attention"}
+    assert [p.op for p in ops.PROVIDERS if not p.name.startswith("cpu_native_")] == [op.name for op in ALL_OPS]
     registry = OpRegistry(ALL_OPS)
     for p in ops.PROVIDERS:
         registry.register(p, plugin="cpu", platform="cpu")
-        assert p.name == f"cpu_{p.op}" and p.priority == 10
+        is_native = p.name == f"cpu_native_{p.op}"
+        assert (p.name == f"cpu_{p.op}" and p.priority == 10) or (is_native and p.priority > 10), p.name
         # names, kinds, defaults and annotations: the whole signature, not only what registration compares
         assert inspect.signature(p.fn, eval_str=True) == OPS[p.op].signature, p.name
     for dtype in DTYPES:
         bound = registry.bind(BindContext("cpu", "cpu", dtype))
-        assert {op: chosen.name for op, chosen in bound.providers.items()} == {op: f"cpu_{op}" for op in OPS}
+        prefix = {op: "cpu_native_" if op in native_ops and native.available() else "cpu_" for op in OPS}
+        assert {op: chosen.name for op, chosen in bound.providers.items()} == {op: f"{prefix[op]}{op}" for op in OPS}
 
 
 @by_name

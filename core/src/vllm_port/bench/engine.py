@@ -262,6 +262,10 @@ def _decode_rates(
         kv_token_bytes = 2 * w.num_layers * w.num_kv_heads * (w.hidden_size // w.num_heads) * _itemsize(w.dtype)
         mean_context = w.prompt_len + w.output_len / 2
         step_bytes = _weight_bytes(w) + batch * mean_context * kv_token_bytes
+        # tensor parallel: each rank reads its shard of the layers and KV, and the whole replicated LM head
+        ranks = llm_kwargs.get("tensor_parallel_size", 1)
+        head_bytes = w.vocab_size * w.hidden_size * _itemsize(w.dtype)
+        rank_bytes = (step_bytes - head_bytes) / ranks + head_bytes
         rows.append(
             {
                 "batch": batch,
@@ -269,13 +273,16 @@ def _decode_rates(
                 "step_ms": decode_s / steps * 1e3,
                 "step_bytes": step_bytes,
                 "achieved_gbs": step_bytes / (decode_s / steps) / 1e9,
+                "devices": ranks,
+                "device_step_bytes": rank_bytes,
+                "device_gbs": rank_bytes / (decode_s / steps) / 1e9,
             }
         )
     dev = torch.device(device if device and device != "auto" else (_accelerator_type() or "cpu"))
     bandwidth = copy_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 256 << 20)
     for row in rows:
         row["copy_gbs"] = bandwidth
-        row["bandwidth_utilisation"] = row["achieved_gbs"] / bandwidth
+        row["bandwidth_utilisation"] = row["device_gbs"] / bandwidth  # of one device's copy bandwidth
     return rows
 
 
@@ -416,13 +423,13 @@ def render(result: dict[str, Any]) -> str:
     if result["decode"]:
         lines += [
             "",
-            "| batch | decode tok/s | step (ms) | GB/s | copy GB/s | utilisation |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| batch | decode tok/s | step (ms) | GB/s, all devices | GB/s per device | copy GB/s | utilisation |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for d in result["decode"]:
             lines.append(
                 f"| {d['batch']} | {d['decode_tok_s']:,.0f} | {d['step_ms']:.2f} | {d['achieved_gbs']:.0f} | "
-                f"{d['copy_gbs']:.0f} | {d['bandwidth_utilisation']:.0%} |"
+                f"{d.get('device_gbs', d['achieved_gbs']):.0f} | {d['copy_gbs']:.0f} | {d['bandwidth_utilisation']:.0%} |"
             )
     lines.append(
         f"\nload average before/after: {result['load_average_before']:.2f} / {result['load_average_after']:.2f}"

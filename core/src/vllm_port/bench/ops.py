@@ -7,12 +7,20 @@ in the same run, a copy and a read-only stream (reads alone go faster than a cop
 attention and linear as TFLOP/s against the measured matrix-product rate. Every row has two times:
 ``ms`` with warm caches (graph replays or batches of launches, as a decode step runs), and
 ``cold_ms`` with the caches flushed before each call.
+
+``linear`` also runs Llama-3-8B's decode matrix-vector products (:data:`GEMV_SHAPES` at
+:data:`GEMV_ROWS` rows; on a CPU only with ``--full``), reported as bandwidth over the weight's bytes
+(all such a product must read); its ``reference`` peer is ``F.linear``, i.e. the vendor BLAS (cuBLAS
+on NVIDIA). A decode step reads each weight once, so their cold column (with its fraction of the
+copy bandwidth) is the one to judge them by: the ``o`` weight (32 MiB) fits in an H200's 50 MiB L2.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +47,22 @@ OP_TOKENS = {
     "gelu_and_mul": "elementwise", "linear": "linear", "paged_attention": "decode", "prefill_attention": "prefill",
     "sample": "decode",
 }  # fmt: skip
+#: The token counts a CPU run keeps unless ``--full``: every op at Llama-3-8B widths, in minutes and
+#: within a few GB. All of TOKENS on a 2-core, 24 GB machine ran over 7 minutes without finishing and
+#: held 15 GB at its peak (256 decode sequences of 4096 cached tokens are 8 GB of K/V alone).
+CPU_TOKENS = {
+    "elementwise": (1, 16, 256, 1024),
+    "decode": (1, 16),
+    "prefill": (256, 1024),
+    "linear": (1, 16, 256),
+}
 COMPUTE_BOUND = {"linear", "prefill_attention"}
+#: Llama-3-8B's projections as (out_features, in_features): at decode each is a matrix-vector product.
+GEMV_SHAPES = {
+    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
+}  # fmt: skip
+#: Rows (tokens) the decode products are timed at: batch 1, and a small batch.
+GEMV_ROWS = (1, 8)
 #: Peers that read device values on the host, so no graph can capture them.
 UNCAPTURABLE = {("paged_attention", "reference"), ("prefill_attention", "reference")}
 
@@ -51,6 +74,7 @@ class Workload:
     args: tuple[Any, ...]
     nbytes: int
     flops: int
+    memory_bound: bool = False  # report bandwidth even for an op in COMPUTE_BOUND (a decode product)
 
 
 def _paged(tokens: int, context: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
@@ -123,6 +147,16 @@ def workload(op: str, tokens: int, dtype: torch.dtype, device: torch.device) -> 
     raise ValueError(f"no benchmark workload for op {op!r}")
 
 
+def gemv_workload(name: str, rows: int, dtype: torch.dtype, device: torch.device) -> Workload:
+    """``linear`` of ``rows`` tokens through Llama-3-8B's ``name`` projection; the bytes are the weight's."""
+    out_features, in_features = GEMV_SHAPES[name]
+    gen = torch.Generator(device).manual_seed(rows)
+    x = torch.randn(rows, in_features, device=device, dtype=dtype, generator=gen)
+    weight = torch.randn(out_features, in_features, device=device, dtype=dtype, generator=gen) / in_features**0.5
+    nbytes = out_features * in_features * weight.element_size()
+    return Workload((x, weight, None), nbytes, 2 * rows * in_features * out_features, memory_bound=True)
+
+
 #: torch's SDPA backends timed beside prefill attention, strongest first on Hopper (cuDNN's fused
 #: attention), each skipped with its reason where the build or device lacks it.
 SDPA_PEERS = {
@@ -169,12 +203,48 @@ def _time(
     return median_ms(lambda: fn(*args), runtime.device), "launches"
 
 
+def token_counts(op: str, device_type: str, max_tokens: int, full: bool = False) -> tuple[int, ...]:
+    """The token counts ``op`` is timed at: TOKENS up to ``max_tokens``, and on a CPU only CPU_TOKENS unless ``full``."""
+    family = OP_TOKENS[op]
+    sizes = TOKENS[family] if full or device_type != "cpu" else CPU_TOKENS.get(family, TOKENS[family])
+    return tuple(t for t in sizes if t <= max_tokens)
+
+
+def cases(op: str, device_type: str, max_tokens: int, full: bool = False) -> list[tuple[int, str]]:
+    """``(tokens, case)`` pairs ``op`` is timed at: its token counts (case ``""``), then for ``linear`` the
+    decode products (case: a GEMV_SHAPES name), which a CPU runs only with ``full``."""
+    found = [(tokens, "") for tokens in token_counts(op, device_type, max_tokens, full)]
+    if op == "linear" and (full or device_type != "cpu"):
+        found += [(rows, name) for rows in GEMV_ROWS if rows <= max_tokens for name in GEMV_SHAPES]
+    return found
+
+
 def run(
-    device: str | None, dtype: torch.dtype, ops: list[str] | None, max_tokens: int, json_path: str | None = None
+    device: str | None,
+    dtype: torch.dtype,
+    ops: list[str] | None,
+    max_tokens: int,
+    json_path: str | None = None,
+    full: bool = False,
 ) -> dict[str, Any]:
-    """Time every op's providers and peers; return the results as one JSON-ready object (written after each op)."""
+    """Time every op's providers and peers; return the results as one JSON-ready object (written after each op).
+
+    :param full: on a CPU, time every size of TOKENS rather than the bounded CPU_TOKENS.
+    """
     runtime = vllm_port.load(device=device)
     dev = runtime.device
+    chosen = ops or list(OP_TOKENS)
+    plan = {op: cases(op, dev.type, max_tokens, full) for op in chosen}
+    peers_of = {op: _peers(runtime, op, dtype) for op in chosen}
+    planned = sum(
+        len(plan[op]) * (len(peers_of[op]) + (len(SDPA_PEERS) if op == "prefill_attention" else 0)) for op in chosen
+    )
+    bounded = dev.type == "cpu" and not full
+    print(
+        f"planned: {planned} rows ({len(chosen)} ops){'; CPU sizes bounded, --full times every size' if bounded else ''}",
+        flush=True,
+    )
+    done = 0
     result: dict[str, Any] = {
         "platform": runtime.platform.name,
         "device": runtime.selected.probe.devices[0].name if runtime.selected.probe else "?",
@@ -184,66 +254,87 @@ def run(
         "read_gbs": read_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 1 << 27),
         "matmul_tflops": matmul_tflops(dev, 8192 if dev.type != "cpu" else 1024, dtype),
         "rows": [],
+        "bounded": bounded,
     }
-    for op in ops or list(OP_TOKENS):
-        peers = _peers(runtime, op, dtype)
-        for tokens in (t for t in TOKENS[OP_TOKENS[op]] if t <= max_tokens):
-            work = workload(op, tokens, dtype, dev)
+    for op in chosen:
+        peers = peers_of[op]
+        for tokens, case in plan[op]:
+            work = gemv_workload(case, tokens, dtype, dev) if case else workload(op, tokens, dtype, dev)
             timed = dict(peers)
             if op == "prefill_attention":
                 timed.update({name: _sdpa(work.args, backend) for name, backend in SDPA_PEERS.items()})
             for name, fn in timed.items():
+                done += 1
+                progress = f"[{done:>{len(str(planned))}}/{planned}] "
                 try:
                     ms, timing = _time(op, name, fn, work.args, runtime)
                 except Exception as exc:  # a peer that cannot run this case is reported, not fatal
-                    result["rows"].append(
-                        {"op": op, "tokens": tokens, "impl": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
-                    )
+                    row = {"op": op, "tokens": tokens, "impl": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+                    row.update({"case": case} if case else {})
+                    result["rows"].append(row)
+                    print(progress + _format_row(row), flush=True)
                     continue
                 cold = cold_median_ms(lambda fn=fn, args=work.args: fn(*args), dev, repeat=25 if ms < 5 else 5)
                 row = {"op": op, "tokens": tokens, "impl": name, "ms": ms, "timing": timing, "cold_ms": cold}
-                if op in COMPUTE_BOUND:
+                row.update({"case": case} if case else {})
+                if op in COMPUTE_BOUND and not work.memory_bound:
                     row["tflops"] = work.flops / ms / 1e9
                     row["fraction"] = row["tflops"] / result["matmul_tflops"]
                 else:
                     row["gbs"] = work.nbytes / ms / 1e6
                     row["fraction"] = row["gbs"] / result["copy_gbs"]
                     row["fraction_of_read"] = row["gbs"] / result["read_gbs"]
+                    row["cold_fraction"] = work.nbytes / cold / 1e6 / result["copy_gbs"]
                 result["rows"].append(row)
-                print(_format_row(row), flush=True)
+                print(progress + _format_row(row), flush=True)
         if json_path:  # a run cut short still leaves every finished op on disk
             with open(json_path, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
     return result
 
 
+def _label(row: dict[str, Any]) -> str:
+    """The op, with the named shape of a case that has one (``linear/qkv``)."""
+    return f"{row['op']}/{row['case']}" if row.get("case") else row["op"]
+
+
 def _format_row(row: dict[str, Any]) -> str:
     if "error" in row:
-        return f"{row['op']:<20}{row['tokens']:>7}  {row['impl']:<28} error: {row['error'][:80]}"
+        return f"{_label(row):<20}{row['tokens']:>7}  {row['impl']:<28} error: {row['error'][:80]}"
     rate = f"{row['tflops']:8.1f} TFLOP/s" if "tflops" in row else f"{row['gbs']:8.0f} GB/s   "
     of_read = f"{row['fraction_of_read']:7.1%}" if "fraction_of_read" in row else " " * 7
+    cold_of_copy = f" {row['cold_fraction']:7.1%}" if "cold_fraction" in row else ""
     timing = f"{row['ms'] * 1e3:>11.1f} us {rate} {row['fraction']:7.1%} {of_read} {row['cold_ms'] * 1e3:>11.1f} us"
-    return f"{row['op']:<20}{row['tokens']:>7}  {row['impl']:<28}{timing}  ({row['timing']})"
+    return f"{_label(row):<20}{row['tokens']:>7}  {row['impl']:<28}{timing}{cold_of_copy}  ({row['timing']})"
+
+
+PLOT_EXTRA_HINT = "--plot needs matplotlib: pip install 'vllm-port[plot]' (or pip install matplotlib)"
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """One panel per op: fraction of the ceiling (copy bandwidth or matmul rate) against tokens, a line per implementation."""
-    import matplotlib
+    """One panel per op: fraction of the ceiling (copy bandwidth or matmul rate) against tokens, a line per implementation.
+
+    :raises ImportError: naming the ``plot`` extra, when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError(PLOT_EXTRA_HINT) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
+    ops = list(dict.fromkeys(_label(r) for r in result["rows"]))
     cols = 3
     fig, axes = plt.subplots(
         math.ceil(len(ops) / cols), cols, figsize=(15, 4 * math.ceil(len(ops) / cols)), squeeze=False
     )
     for ax, op in zip(axes.flat, ops, strict=False):
-        rows = [r for r in result["rows"] if r["op"] == op and "fraction" in r]
+        rows = [r for r in result["rows"] if _label(r) == op and "fraction" in r]
         for impl in dict.fromkeys(r["impl"] for r in rows):
             points = [(r["tokens"], r["fraction"]) for r in rows if r["impl"] == impl]
             ax.plot(*zip(*points, strict=True), marker="o", label=impl)
-        ceiling = "matmul rate" if op in COMPUTE_BOUND else "copy bandwidth"
+        ceiling = "matmul rate" if any("tflops" in r for r in rows) else "copy bandwidth"
         ax.set(title=op, xscale="log", xlabel="tokens (sequences for decode/sample)", ylabel=f"fraction of {ceiling}")
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.legend(fontsize=7)
@@ -257,13 +348,22 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def main(
-    device: str | None, dtype_name: str, ops: str | None, max_tokens: int, json_path: str | None, plot_path: str | None
+    device: str | None,
+    dtype_name: str,
+    ops: str | None,
+    max_tokens: int,
+    json_path: str | None,
+    plot_path: str | None,
+    full: bool = False,
 ) -> int:
-    """Run, print the table, and write the JSON and the plot when asked."""
+    """Run, print the table, and write the JSON and the plot when asked (exit 2 before any timing when the plot cannot be drawn)."""
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        print(f"error: {PLOT_EXTRA_HINT}", file=sys.stderr)
+        return 2
     dtype = getattr(torch, dtype_name)
-    header = f"{'time':>14} {'rate':>15} {'of copy':>7} {'of read':>7} {'cold (L2 flushed)':>14}"
+    header = f"{'time':>14} {'rate':>15} {'of copy':>7} {'of read':>7} {'cold (L2 flushed)':>14} {'of copy':>7}"
     print(f"{'op':<20}{'tokens':>7}  {'implementation':<28}{header}")
-    result = run(device, dtype, ops.split(",") if ops else None, max_tokens, json_path)
+    result = run(device, dtype, ops.split(",") if ops else None, max_tokens, json_path, full)
     print(
         f"ceilings on {result['device']}: copy {result['copy_gbs']:.0f} GB/s, read {result['read_gbs']:.0f} GB/s, "
         f"matmul {result['matmul_tflops']:.1f} TFLOP/s ({result['dtype']})"

@@ -130,7 +130,7 @@ class LLM:
     :param seed: seeds the per-request seeds of requests that give none (``None``: fresh each run).
     :param plugins: allow/deny list of plugins for discovery (as ``VLLM_PORT_PLUGINS``).
     :param make_step: builds the runner's step function (:data:`~vllm_port.engine.runner.StepFunction`)
-        from the runner, e.g. a compiled one; default: the model's eager forward.
+        from the runner, e.g. a compiled one; default: :func:`~vllm_port.engine.runner.default_step`.
     :param enforce_eager: never replay captured graphs. By default decode steps are captured as
         device graphs per batch size on platforms that offer graph capture (the CUDA plugin does;
         the CPU plugin does not, and there every step runs as it is).

@@ -8,8 +8,9 @@ It owns the model, the bound kernels (``runtime.bind``), the paged KV cache and 
    pinned host tier, so the copy does not wait for the device);
 3. the **step function** (:data:`StepFunction`): the model's forward over the packed tokens and the
    logits of the rows that sample. This is the seam where a compiled step plugs in (``make_step``;
-   :func:`flat_step` adapts ``vllm_port.flat``'s models); :func:`eager_step`, the default, runs
-   ``LlamaModel.forward`` with the bound kernels. After :meth:`ModelRunner.capture_decode`, decode
+   :func:`flat_step` adapts ``vllm_port.flat``'s models); by default (:func:`default_step`) the
+   model's flat graphs with the fusion passes where the platform captures graphs, else
+   ``LlamaModel.forward`` with the bound kernels (:func:`eager_step`). After :meth:`ModelRunner.capture_decode`, decode
    steps (one token per sequence) replay that step captured as device graphs per batch size
    (:class:`~vllm_port.flat.capture.DecodeGraphs`) on platforms with graph capture: one launch
    instead of hundreds, which is what a batch-1 decode step on a GPU is bound by;
@@ -33,7 +34,7 @@ from ..models import AttentionMetadata, LlamaModel, load_model
 from ..ops import BoundOps
 from .scheduler import StepBatch
 
-__all__ = ["ModelRunner", "StepFunction", "eager_step", "flat_step"]
+__all__ = ["ModelRunner", "StepFunction", "default_step", "eager_step", "flat_step"]
 
 #: ``step(input_ids, positions, kv_caches, meta, logits_rows) -> logits [len(logits_rows), vocab]``:
 #: one forward over the packed tokens of a step, with the logits of the rows in ``logits_rows``.
@@ -71,6 +72,23 @@ def flat_step(flat_model: Any) -> StepFunction:
     return step
 
 
+def default_step(runner: ModelRunner, own_ops: bool = True) -> StepFunction:
+    """The step a runner takes when it is given none.
+
+    Where the platform captures graphs, the model's flat graphs with the fusion passes run eagerly
+    (``vllm_port.flat.FlatModel(compile=False)``): fused kernels, and the graph interpreter's host
+    cost disappears into the captured decode steps. Elsewhere the model's own forward
+    (:func:`eager_step`), which on CPU is faster than interpreting the flat graph. Ranks of tensor
+    parallelism (``own_ops=False``: their ``linear`` sums over ranks) run the model's forward too.
+    """
+    if own_ops and runner.runtime.platform.graph_capture:
+        from ..flat import FlatModel
+
+        flat = FlatModel(runner.model, runner.runtime, runner.model.dtype, compile=False, block_size=runner.block_size)
+        return flat_step(flat)
+    return eager_step(runner.model, runner.ops)
+
+
 class ModelRunner:
     """A model with its KV cache on the runtime's platform; :meth:`execute` runs one scheduled step.
 
@@ -81,7 +99,7 @@ class ModelRunner:
     :param swap_space: bytes of swap space in the platform's host tier (0: none; preemption then recomputes).
     :param max_tokens: tokens the cache never needs to exceed (caps the budget), or ``None``.
     :param make_step: builds the step function from the runner (its ``model``, ``ops``, ``kv_caches``,
-        ``runtime``) once the cache exists; default :func:`eager_step`. See the module docstring.
+        ``runtime``) once the cache exists; default :func:`default_step`. See the module docstring.
     :param ops: bound kernels to use instead of ``runtime.bind(model.dtype)`` (tensor parallelism wraps them).
     :param device: where the model lives (default ``runtime.device``; a tensor-parallel rank's own device).
     """
@@ -117,7 +135,7 @@ class ModelRunner:
         except BaseException:
             self.kv.close()
             raise
-        self.step = make_step(self) if make_step is not None else eager_step(model, self.ops)
+        self.step = make_step(self) if make_step is not None else default_step(self, own_ops=ops is None)
         #: stage host metadata in page-locked memory, so its copy to the device does not wait for it
         self._pinned = "pinned_host" in runtime.platform.memory_tiers
         #: decode steps captured per batch size (:meth:`capture_decode`), or ``None``: every step eager

@@ -19,7 +19,7 @@ from vllm_port.ops.linear import check_embedding, check_linear
 from vllm_port.ops.norm import check_fused_add_rms_norm, check_rms_norm
 from vllm_port.ops.rotary import check_rotary_embedding
 
-from . import attention, sampling
+from . import attention, native, sampling
 
 __all__ = ["PROVIDERS"]
 
@@ -140,7 +140,9 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x[..., :d], approximate=approximate).mul_(x[..., d:])
 
 
-#: Every provider of the CPU plugin, one per contract op, in the order of ``vllm_port.ops.ALL_OPS``.
+#: Every provider of the CPU plugin, in the order of ``vllm_port.ops.ALL_OPS``: one per contract op, and
+#: for the attention ops the native kernels (:mod:`.native`) above the torch ones, which serve when
+#: the native kernels cannot be built.
 PROVIDERS: list[Provider] = [
     embedding,
     rms_norm,
@@ -148,7 +150,9 @@ PROVIDERS: list[Provider] = [
     linear,
     rotary_embedding,
     attention.reshape_and_cache,
+    native.prefill_attention,
     attention.prefill_attention,
+    native.paged_attention,
     attention.paged_attention,
     silu_and_mul,
     gelu_and_mul,

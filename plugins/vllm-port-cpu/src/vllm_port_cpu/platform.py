@@ -9,6 +9,8 @@ import torch
 
 from vllm_port import DeviceInfo, PlatformDescription, ProbeResult
 
+from . import native
+
 #: ISA extensions that change which CPU kernels are fast, as /proc/cpuinfo spells them.
 INTERESTING_FLAGS = (
     "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -43,9 +45,11 @@ def probe(cpuinfo_path: str = "/proc/cpuinfo", meminfo_path: str = "/proc/meminf
         "isa": [f for f in INTERESTING_FLAGS if f in flags],
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "memory_bytes": memory,
+        "native_attention": native.check()[1],
     }
     device = DeviceInfo(name=model, total_memory=memory, arch=_host.machine())
-    return ProbeResult(True, f"host CPU: {model}, {cores} cores usable", (device,), capabilities)
+    reason = f"host CPU: {model}, {cores} cores usable; native attention kernels: {capabilities['native_attention']}"
+    return ProbeResult(True, reason, (device,), capabilities)
 
 
 def _read(path: str) -> str:

@@ -1,35 +1,28 @@
-"""The CPU plugin's hook implementations: the entry point ``vllm_port: cpu``."""
+"""The CPU plugin's hook implementations: the entry point ``vllm_port: cpu``.
+
+Every hook is one that platform plugins answer alike (:func:`vllm_port.plugin_kit.platform_hooks`);
+a CPU has no device context to report, and core's defaults serve comm (gloo) and the block pool.
+"""
 
 from __future__ import annotations
 
-from vllm_port import PlatformDescription, ProbeResult, hookimpl
-from vllm_port.memory import Allocator
 from vllm_port.ops import Provider
+from vllm_port.plugin_kit import platform_hooks
 
 from . import ops, platform
 from .memory import HostAllocator
 
 
-@hookimpl
-def vllm_port_api_range() -> str:
-    return ">=1.0,<2"
-
-
-@hookimpl
-def vllm_port_platform_describe() -> PlatformDescription:
-    return platform.describe()
-
-
-@hookimpl
-def vllm_port_platform_probe() -> ProbeResult:
-    return platform.probe()
-
-
-@hookimpl
-def vllm_port_providers() -> list[Provider]:
+def _providers() -> list[Provider]:
     return ops.PROVIDERS
 
 
-@hookimpl
-def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
-    return HostAllocator() if platform.name == "cpu" else None
+globals().update(
+    platform_hooks(
+        api_range=">=1.0,<2",
+        describe=platform.describe,
+        probe=platform.probe,
+        providers=_providers,
+        allocator=HostAllocator,
+    )
+)

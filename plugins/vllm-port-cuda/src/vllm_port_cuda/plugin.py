@@ -1,58 +1,35 @@
-"""The CUDA plugin's hook implementations: the entry point ``vllm_port: cuda``."""
+"""The CUDA plugin's hook implementations: the entry point ``vllm_port: cuda``.
+
+The hooks every platform plugin answers alike come from :func:`vllm_port.plugin_kit.platform_hooks`
+(API range, describe, probe, context check, providers, allocator, graph capture); the compilation
+hooks below are CUDA's own.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
-from vllm_port import PlatformDescription, ProbeResult, hookimpl
-from vllm_port.graph import GraphCapture
-from vllm_port.memory import Allocator
-from vllm_port.ops import Provider
+from vllm_port import PlatformDescription, hookimpl
+from vllm_port.plugin_kit import platform_hooks
 
 from . import ops, platform
+from .graph import CudaGraphCapture
 from .memory import CudaAllocator
 
 if TYPE_CHECKING:
     from vllm_port.flat.passes import GraphPass
 
-
-@hookimpl
-def vllm_port_api_range() -> str:
-    return ">=1.1,<2"  # 1.1: the compilation hooks below
-
-
-@hookimpl
-def vllm_port_platform_describe() -> PlatformDescription:
-    return platform.describe()
-
-
-@hookimpl
-def vllm_port_platform_probe() -> ProbeResult:
-    return platform.probe()
-
-
-@hookimpl
-def vllm_port_platform_context_created() -> bool:
-    return torch.cuda.is_initialized()
-
-
-@hookimpl
-def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
-    return CudaAllocator() if platform.name == "cuda" else None
-
-
-@hookimpl
-def vllm_port_providers() -> list[Provider]:
-    return ops.providers()
-
-
-@hookimpl
-def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | None:
-    from .graph import CudaGraphCapture
-
-    return CudaGraphCapture() if platform.name == "cuda" else None
+globals().update(
+    platform_hooks(
+        api_range=">=1.1,<2",  # 1.1: the compilation hooks below
+        describe=platform.describe,
+        probe=platform.probe,
+        torch_device="cuda",
+        providers=ops.providers,
+        allocator=CudaAllocator,
+        graph_capture=CudaGraphCapture,
+    )
+)
 
 
 @hookimpl

@@ -191,7 +191,7 @@ def probe(sysfs_root: str = "/sys") -> ProbeResult:
             f"{fix}that this user can open /dev/kfd and /dev/dri/renderD* (groups video and render)",
         )
     found = visible[:count]
-    devices = [DeviceInfo(g.name, g.memory, g.arch) for g in found]
+    devices = [DeviceInfo(g.name, g.memory, g.arch, g.compute_units) for g in found]
     devices += [DeviceInfo(f"AMD GPU {i}") for i in range(len(found), count)]
     caps: dict[str, CapabilityValue] = {
         "hip_version": torch.version.hip,

@@ -1,51 +1,26 @@
-"""The ROCm plugin's hook implementations: the entry point ``vllm_port: rocm``."""
+"""The ROCm plugin's hook implementations: the entry point ``vllm_port: rocm``.
+
+Every hook is one that platform plugins answer alike (:func:`vllm_port.plugin_kit.platform_hooks`);
+what is special to AMD lives in the parts: the KFD probe, the AITER providers, the allocator and
+HIP graphs, both on ``torch.cuda``, under which HIP builds of torch keep their state.
+"""
 
 from __future__ import annotations
 
-import torch
-
-from vllm_port import PlatformDescription, ProbeResult, hookimpl
-from vllm_port.graph import GraphCapture
-from vllm_port.memory import Allocator
-from vllm_port.ops import Provider
+from vllm_port.plugin_kit import platform_hooks
 
 from . import ops, platform
+from .graph import HipGraphCapture
 from .memory import RocmAllocator
 
-
-@hookimpl
-def vllm_port_api_range() -> str:
-    return ">=1.0,<2"
-
-
-@hookimpl
-def vllm_port_platform_describe() -> PlatformDescription:
-    return platform.describe()
-
-
-@hookimpl
-def vllm_port_platform_probe() -> ProbeResult:
-    return platform.probe()
-
-
-@hookimpl
-def vllm_port_platform_context_created() -> bool:
-    # HIP builds of torch keep their state under torch.cuda.
-    return torch.cuda.is_initialized()
-
-
-@hookimpl
-def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
-    return RocmAllocator() if platform.name == "rocm" else None
-
-
-@hookimpl
-def vllm_port_providers() -> list[Provider]:
-    return ops.providers()
-
-
-@hookimpl
-def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | None:
-    from .graph import HipGraphCapture
-
-    return HipGraphCapture() if platform.name == "rocm" else None
+globals().update(
+    platform_hooks(
+        api_range=">=1.0,<2",
+        describe=platform.describe,
+        probe=platform.probe,
+        torch_device="cuda",  # HIP builds of torch keep their state under torch.cuda
+        providers=ops.providers,
+        allocator=RocmAllocator,
+        graph_capture=HipGraphCapture,
+    )
+)

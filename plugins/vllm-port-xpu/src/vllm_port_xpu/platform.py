@@ -86,6 +86,12 @@ def device_capabilities(props: Any) -> dict[str, CapabilityValue]:
     }
 
 
+def _xe_cores(props: Any) -> int:
+    """Xe cores (``gpu_subslice_count``), the unit the shared kernels size their grids by; 0 when unreported."""
+    value = getattr(props, "gpu_subslice_count", 0)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def _context_properties() -> Callable[[int], Any] | None:
     """``get_device_properties`` when this process already holds an XPU context, else ``None``."""
     if hasattr(torch, "xpu") and torch.xpu.is_initialized():
@@ -132,7 +138,7 @@ def probe(read_properties: Callable[[int], Any] | None = None) -> ProbeResult:
         )
         return ProbeResult(True, reason, devices, caps)
     props: Sequence[Any] = [reader(i) for i in range(count)]
-    devices = tuple(DeviceInfo(str(p.name), int(p.total_memory), gpu_family(str(p.name))) for p in props)
+    devices = tuple(DeviceInfo(str(p.name), int(p.total_memory), gpu_family(str(p.name)), _xe_cores(p)) for p in props)
     # Features of the first visible device: the one rank 0 of an engine runs on.
     caps.update(device_capabilities(props[0]))
     summary = ", ".join(f"{n}x {name}" for name, n in Counter(d.name for d in devices).items())

@@ -3,15 +3,16 @@
 Each module holds the kernels of a family of ops and a class whose methods are the providers
 (a bound method's signature is exactly the op reference's, so registration checks it like any
 other). ``providers(target, priority)`` gives a plugin every Triton provider configured for its
-hardware. Importing this package imports ``triton``.
+hardware; a class with a ``supports(ctx)`` method gives its providers that bind-time predicate.
+Importing this package imports ``triton``.
 """
 
 from __future__ import annotations
 
 from ...ops import FLOAT_DTYPES, Provider
-from .target import CUDA, INTERPRETER, ROCM, XPU, TritonTarget
+from .target import CUDA, INTERPRETER, ROCM, XPU, LinearTiles, TritonTarget
 
-__all__ = ["CUDA", "INTERPRETER", "ROCM", "XPU", "TritonTarget", "kernel_classes", "providers"]
+__all__ = ["CUDA", "INTERPRETER", "ROCM", "XPU", "LinearTiles", "TritonTarget", "kernel_classes", "providers"]
 
 
 def kernel_classes() -> list[type]:
@@ -19,11 +20,20 @@ def kernel_classes() -> list[type]:
     from .activation import ActivationKernels
     from .attention import AttentionKernels
     from .cache import CacheKernels
+    from .linear import LinearKernels
     from .norm import NormKernels
     from .rotary import RotaryKernels
     from .sampling import SamplingKernels
 
-    return [NormKernels, ActivationKernels, RotaryKernels, CacheKernels, AttentionKernels, SamplingKernels]
+    return [
+        NormKernels,
+        ActivationKernels,
+        RotaryKernels,
+        CacheKernels,
+        AttentionKernels,
+        SamplingKernels,
+        LinearKernels,
+    ]
 
 
 def providers(target: TritonTarget, priority: int = 20) -> list[Provider]:
@@ -31,5 +41,8 @@ def providers(target: TritonTarget, priority: int = 20) -> list[Provider]:
     found: list[Provider] = []
     for cls in kernel_classes():
         kernels = cls(target)
-        found += [Provider(op, f"triton_{op}", getattr(kernels, op), priority, FLOAT_DTYPES) for op in cls.OPS]
+        supports = getattr(kernels, "supports", None)
+        found += [
+            Provider(op, f"triton_{op}", getattr(kernels, op), priority, FLOAT_DTYPES, supports) for op in cls.OPS
+        ]
     return found

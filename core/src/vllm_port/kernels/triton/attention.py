@@ -29,12 +29,11 @@ that can reach such a slot is masked with ``other=0``, so nothing from them ente
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ...device_properties import compute_units
 from ...ops.attention import check_paged_attention, check_prefill_attention
 from .target import TritonTarget
 
@@ -424,14 +423,9 @@ def _prefill_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors (compute units) of ``device``: a host-side property query, no sync."""
-    if device.type == "cuda":  # NVIDIA and ROCm
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    if device.type == "xpu":  # Xe cores
-        return int(getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 0) or 64)
-    return 4  # the interpreter: a few "SMs" so that tiny test batches exercise the split path
+    """Streaming multiprocessors (compute units, Xe cores) of ``device``, as the platform says: no sync."""
+    return compute_units(device, default=4)  # the interpreter: a few "SMs" so tiny test batches exercise the split path
 
 
 def _decode_splits(num_programs: int, max_tiles: int, num_sms: int) -> int:

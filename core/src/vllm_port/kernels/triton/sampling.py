@@ -26,12 +26,11 @@ the contract's score margin allows (see :mod:`vllm_port.ops.sampling`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ...device_properties import compute_units
 from ...ops.sampling import check_sample
 from .target import TritonTarget
 
@@ -149,12 +148,9 @@ def _merge_splits_kernel(
     tl.store(out_ptr + row, tl.min(tl.where(score == top, ids, 2147483647), 0).to(tl.int64))
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device``, a host-side property (no sync); a few for the CPU interpreter."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 64 if device.type == "xpu" else 4
+    """Multiprocessors of ``device`` as the platform says (no sync); a few for the CPU interpreter."""
+    return compute_units(device, default=4)
 
 
 def _vocab_splits(programs: int, vocab: int, block_v: int, num_sms: int) -> tuple[int, int]:

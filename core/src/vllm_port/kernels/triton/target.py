@@ -9,7 +9,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CUDA", "INTERPRETER", "ROCM", "XPU", "TritonTarget"]
+__all__ = ["CUDA", "INTERPRETER", "ROCM", "XPU", "LinearTiles", "TritonTarget"]
+
+
+@dataclass(frozen=True)
+class LinearTiles:
+    """Launch configuration of one path of the skinny ``linear`` kernel (``linear.py``).
+
+    Attributes:
+        block_n: output features (weight rows) per program.
+        block_k: input features per step of the reduction; ``block_k x itemsize`` bytes of a weight
+            row are read per step, so 256 bfloat16 give each thread of a warp a 16-byte vector.
+        warps: warps per program.
+        stages: software-pipelining depth of the weight loads.
+        waves: split the reduction until about this many programs per multiprocessor run (0: never
+            split); each split adds a float32 partial-sum write and a small reduction kernel.
+    """
+
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    waves: int = 4
 
 
 @dataclass(frozen=True)
@@ -25,6 +46,11 @@ class TritonTarget:
         attn_block_n: keys per step in prefill and decode attention.
         attn_warps: warps per attention program.
         attn_stages: software-pipelining depth of attention's K/V loads.
+        linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
+            kernel serves; more go to the vendor BLAS (``F.linear``). 0 declines ``linear`` at bind time.
+        linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
+            None sends one row to the tensor-core path too.
+        linear_dot: tiles of the tensor-core path (``tl.dot``, rows padded to 16).
     """
 
     name: str
@@ -35,16 +61,56 @@ class TritonTarget:
     attn_block_n: int = 64
     attn_warps: int = 8
     attn_stages: int = 3
+    linear_max_rows: int = 16
+    linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
+    linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
 
 
 #: NVIDIA (Ampere, Hopper): large tiles, deep pipelines for cp.async / TMA; element-wise blocks of
-#: 2048 measured best on an H200 (dev/tune_elementwise.py).
-CUDA = TritonTarget("cuda", elementwise_block=2048)
+#: 2048 measured best on an H200 (dev/tune_elementwise.py). ``linear`` (the defaults above, chosen
+#: from first principles until dev/tune_linear.py measures them): 256 bfloat16 of a weight row per step
+#: (a 16-byte vector per thread), 32 weight rows per program, 3 weight tiles of 16 KiB in flight, and
+#: the reduction split only where fewer than 4 programs per multiprocessor would run.
+#: Until that measurement, ``linear`` stays with cuBLAS on CUDA too (``linear_max_rows=0``): a kernel
+#: binds by default only where it has been measured faster than the library it replaces.
+CUDA = TritonTarget("cuda", elementwise_block=2048, linear_max_rows=0)
 #: AMD CDNA (MI200/MI300): 64-wide wavefronts, shallow pipelines (LDS is smaller than Hopper's shared memory).
-ROCM = TritonTarget("rocm", warp_size=64, max_warps=16, attn_block_m=128, attn_block_n=64, attn_warps=4, attn_stages=1)
-#: Intel Data Center GPU Max (Xe-HPC): sub-groups of 16/32, moderate tiles.
-XPU = TritonTarget("xpu", warp_size=32, max_warps=32, attn_block_m=64, attn_block_n=64, attn_warps=8, attn_stages=2)
-#: The CPU interpreter (TRITON_INTERPRET=1) used by CI: small tiles keep it fast.
+#: ``linear`` stays with hipBLASLt (``linear_max_rows=0``) until the split-K kernel is measured against it;
+#: its tiles are single-buffered to fit 64 KiB of LDS.
+ROCM = TritonTarget(
+    "rocm",
+    warp_size=64,
+    max_warps=16,
+    attn_block_m=128,
+    attn_block_n=64,
+    attn_warps=4,
+    attn_stages=1,
+    linear_max_rows=0,
+    linear_fma=LinearTiles(32, 256, 4, 1),
+    linear_dot=LinearTiles(32, 128, 4, 1),
+)
+#: Intel Data Center GPU Max (Xe-HPC): sub-groups of 16/32, moderate tiles. ``linear`` stays with
+#: oneDNN (``linear_max_rows=0``) until the split-K kernel is measured against it.
+XPU = TritonTarget(
+    "xpu",
+    warp_size=32,
+    max_warps=32,
+    attn_block_m=64,
+    attn_block_n=64,
+    attn_warps=8,
+    attn_stages=2,
+    linear_max_rows=0,
+)
+#: The CPU interpreter (TRITON_INTERPRET=1) used by CI: small tiles keep it fast (and make small
+#: test shapes cross tile edges and split the reduction).
 INTERPRETER = TritonTarget(
-    "interpreter", max_warps=4, elementwise_block=256, attn_block_m=16, attn_block_n=16, attn_warps=4, attn_stages=1
+    "interpreter",
+    max_warps=4,
+    elementwise_block=256,
+    attn_block_m=16,
+    attn_block_n=16,
+    attn_warps=4,
+    attn_stages=1,
+    linear_fma=LinearTiles(16, 32, 4, 1),
+    linear_dot=LinearTiles(16, 32, 4, 1),
 )

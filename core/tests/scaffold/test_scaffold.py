@@ -1,0 +1,205 @@
+"""``vllm-port new-plugin``: the generated vendor package is complete, installs from outside the
+repository, is discovered by ``doctor``, and certifies on CPU, by hand and through ``tox -e conformance``."""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_port import API_VERSION, PlatformDescription, cli
+from vllm_port.ops import ALL_OPS, OpRegistry
+from vllm_port.platform import validate_description, validate_probe
+from vllm_port.scaffold import ScaffoldError, new_plugin
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+REPO = Path(__file__).resolve().parents[3]
+NAME = "scaffoldchip"
+SOURCES = ("__init__", "plugin", "platform", "ops", "memory", "comm")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without vllm-port's selection variables or a PYTHONPATH, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_PORT_") and k != "PYTHONPATH"}
+    return {**env, **extra}
+
+
+def _run(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 600):
+    return subprocess.run(
+        [str(a) for a in args], cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plugin generated once for this module (nothing installs it into this interpreter)."""
+    return new_plugin(NAME, tmp_path_factory.mktemp("vendor") / f"vllm-port-{NAME}").root
+
+
+@pytest.fixture
+def imported(package: Path) -> Iterator[object]:
+    """The generated package imported from its source folder; removed from the interpreter afterwards."""
+    sys.path.insert(0, str(package / "src"))
+    try:
+        yield importlib.import_module(f"vllm_port_{NAME}.plugin")
+    finally:
+        sys.path.remove(str(package / "src"))
+        for module in [m for m in sys.modules if m.startswith(f"vllm_port_{NAME}")]:
+            del sys.modules[module]
+
+
+def test_the_package_has_the_anatomy_of_the_in_tree_plugins(package: Path) -> None:
+    src = package / "src" / f"vllm_port_{NAME}"
+    assert sorted(p.stem for p in src.glob("*.py")) == sorted(SOURCES)
+    assert (src / "py.typed").is_file() and (package / "tests" / "test_conformance.py").is_file()
+    assert all(len((src / f"{s}.py").read_text().splitlines()) <= 80 for s in SOURCES)  # one short file each
+    meta = tomllib.loads((package / "pyproject.toml").read_text())
+    assert meta["build-system"]["requires"] == ["setuptools>=77"]
+    assert meta["project"]["name"] == f"vllm-port-{NAME}"
+    assert meta["project"]["entry-points"]["vllm_port"] == {NAME: f"vllm_port_{NAME}.plugin"}
+    assert any(d.startswith("vllm-port>=0.") for d in meta["project"]["dependencies"])
+    assert {"pytest>=8", "tox>=4"} <= set(meta["project"]["optional-dependencies"]["test"])
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read_string((package / "tox.ini").read_text())
+    assert {"testenv:conformance", "testenv:lint", "testenv:build", "testenv:tests"} <= set(tox.sections())
+    assert f"vllm-port certify {NAME} --report reports/{NAME}" in tox["testenv:conformance"]["commands"]
+    assert "{env:VLLM_PORT_CORE:" in tox["testenv"]["deps"] and "{env:VLLM_PORT_TORCH:torch==" in tox["testenv"]["deps"]
+
+
+def test_the_generated_code_is_clean_under_ruff(package: Path) -> None:
+    ruff = Path(sys.executable).parent / "ruff"
+    for args in (["check"], ["format", "--check"]):
+        done = _run(ruff, *args, "src", "tests", cwd=package)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_plugin_answers_every_hook_and_a_provider_for_every_op(imported) -> None:
+    plugin = imported
+    assert plugin.vllm_port_api_range() == f">={API_VERSION},<2"
+    desc = validate_description(plugin.vllm_port_platform_describe())
+    assert (desc.name, desc.device_type, desc.dist_backend) == (NAME, "cpu", "gloo")
+    probe = validate_probe(plugin.vllm_port_platform_probe())
+    assert probe.available and probe.devices[0].total_memory > 0
+    registry = OpRegistry(ALL_OPS)
+    providers = plugin.vllm_port_providers()
+    for p in providers:
+        registry.register(p, plugin=NAME, platform=NAME)  # refuses a provider that breaks its op's contract
+    assert sorted(p.op for p in providers) == sorted(op.name for op in ALL_OPS)
+    assert plugin.vllm_port_collectives(desc) is not None and plugin.vllm_port_point_to_point(desc) is not None
+    assert plugin.vllm_port_allocator(desc) is not None
+    other = PlatformDescription("cpu", "cpu", 0, "gloo")  # another plugin's platform: not this plugin's to serve
+    assert plugin.vllm_port_allocator(other) is None and plugin.vllm_port_collectives(other) is None
+
+
+def test_a_gpu_device_type_generates_a_probe_that_says_why_it_is_absent(tmp_path: Path) -> None:
+    made = new_plugin("scaffoldgpu", tmp_path / "gpu", device_type="cuda")
+    sys.path.insert(0, str(made.root / "src"))
+    try:
+        plugin = importlib.import_module("vllm_port_scaffoldgpu.plugin")
+        desc = validate_description(plugin.vllm_port_platform_describe())
+        assert (desc.device_type, desc.dist_backend, desc.memory_tiers) == ("cuda", "nccl", ("device", "pinned_host"))
+        probe = validate_probe(plugin.vllm_port_platform_probe())
+        import torch
+
+        assert probe.available == torch.cuda.is_available()
+        assert probe.available or "sees no cuda device" in probe.reason
+        assert plugin.vllm_port_platform_context_created() is torch.cuda.is_initialized()
+    finally:
+        sys.path.remove(str(made.root / "src"))
+        for module in [m for m in sys.modules if m.startswith("vllm_port_scaffoldgpu")]:
+            del sys.modules[module]
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("MyChip", "lowercase letters and digits"),
+        ("my-chip", "words joined by single underscores"),
+        ("2chip", "starting with a letter"),
+        ("a" * 33, "at most 32 characters"),
+        ("cpu", "taken: an installed plugin already declares it (vllm_port_cpu.plugin)"),
+    ],
+)
+def test_a_bad_name_is_refused_saying_the_rule(name: str, said: str, tmp_path: Path) -> None:
+    with pytest.raises(ScaffoldError, match=r"plugin name") as caught:
+        new_plugin(name, tmp_path / "p")
+    assert said in str(caught.value) and repr(name) in str(caught.value)
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_device_type_torch_lacks_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ScaffoldError, match=r"device type 'warp9' is not one torch knows"):
+        new_plugin("chip", tmp_path / "p", device_type="warp9")
+
+
+def test_a_folder_with_files_is_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("keep")
+    assert cli.main(["new-plugin", "chip", "--path", str(tmp_path / "full")]) == 2
+    assert "already exists and is not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["mine.txt"]
+    (tmp_path / "empty").mkdir()  # an empty folder is fine
+    assert cli.main(["new-plugin", "chip", "--path", str(tmp_path / "empty")]) == 0
+    out = capsys.readouterr().out
+    assert "created vllm-port-chip" in out and "vllm-port certify chip --report reports/chip" in out
+    assert f"VLLM_PORT_CORE={REPO / 'core'}" in out  # run from this checkout: tox is told where core is
+
+
+def _install_outside(package: Path, site: Path) -> None:
+    """pip-install the package (built as a wheel, not editable) into ``site``, outside this venv."""
+    done = _run(
+        sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", site, package
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_installed_from_outside_it_is_discovered_and_certifies(package: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    _install_outside(package, site)
+    assert (site / f"vllm_port_{NAME}" / "plugin.py").is_file()
+    env = _env(PYTHONPATH=str(site))
+    doctor = _run(sys.executable, "-m", "vllm_port.cli", "doctor", "--json", env=env)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    report = json.loads(doctor.stdout)
+    mine = next(p for p in report["plugins"] if p["name"] == NAME)
+    assert mine["available"] and mine["distribution"] == f"vllm-port-{NAME}" and mine["error"] is None
+    assert report["selected"] == NAME  # above the cpu plugin
+    assert {op["provider"] for op in report["ops"].values()} == {f"{NAME}_reference_{op.name}" for op in ALL_OPS}
+
+    certified = _run(sys.executable, "-m", "vllm_port.cli", "certify", NAME, "--report", tmp_path / "report", env=env)
+    assert certified.returncode == 0, certified.stdout + certified.stderr
+    assert f"{NAME}: certified" in certified.stdout
+    cert = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert cert["plugin"]["distribution"] == f"vllm-port-{NAME}" and cert["plugin"]["version"] == "0.1.0"
+    assert f"vllm_port_{NAME}" in cert["source"]["packages"]
+
+
+def test_tox_conformance_certifies_the_package_in_a_fresh_venv(package: Path, tmp_path: Path) -> None:
+    """The issue's CI requirement: ``tox -e conformance`` from the generated folder, core from this checkout."""
+    vendor = tmp_path / "vendor"
+    shutil.copytree(package, vendor)
+    git = ["git", "-c", "user.email=vendor@example.com", "-c", "user.name=vendor", "-C", str(vendor)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "generated by vllm-port new-plugin"]):
+        assert _run(*git, *args).returncode == 0
+    commit = _run(*git, "rev-parse", "HEAD").stdout.strip()
+    env = _env(VLLM_PORT_CORE=f"-e {REPO / 'core'}", VLLM_PORT_CONFORMANCE=f"-e {REPO / 'conformance'}")
+    done = _run(sys.executable, "-m", "tox", "-e", "conformance", cwd=vendor, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    report = json.loads((vendor / "reports" / NAME / "report.json").read_text())
+    assert report["verdict"] == "certified" and report["summary"]["passed"] == report["summary"]["total"] > 100
+    assert report["plugin"]["distribution"] == f"vllm-port-{NAME}"
+    assert report["plugin"]["git"] == {"commit": commit, "dirty": False, "from": report["plugin"]["git"]["from"]}
+    assert str(vendor / "src") in report["plugin"]["git"]["from"]  # its own checkout, not this repository's
+    assert "report verified" in done.stdout
