@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_port.scaffold import new_plugin
+
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -177,6 +179,13 @@ def test_the_guide_states_the_lines_it_measures() -> None:
     text = GUIDE.read_text(encoding="utf-8")
     assert f"into a hand-written kernel: {total}**" in text and f"{in_ops} lines in `ops.py`, one dependency" in text
     assert total < 50  # the goal
+
+
+def test_the_guide_states_the_size_of_the_generated_package(tmp_path: Path) -> None:
+    sources = sorted((new_plugin("mychip", tmp_path / "p").root / "src" / "vllm_port_mychip").glob("*.py"))
+    lines = sum(len(source.read_text(encoding="utf-8").splitlines()) for source in sources)
+    prose = " ".join(GUIDE.read_text(encoding="utf-8").split())  # wherever the lines of the paragraph break
+    assert len(sources) == 6 and f"The six files are {lines} lines in all" in prose
 
 
 @pytest.mark.parametrize("block", [b for b in blocks() if b.lang == "python"], ids=lambda b: b.section[:24])

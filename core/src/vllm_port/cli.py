@@ -70,6 +70,12 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from .profile.command import run
+
+    return run(args)
+
+
 def _bench_model(args: argparse.Namespace) -> int:
     from .bench import model
 
@@ -116,6 +122,12 @@ def _certify(args: argparse.Namespace) -> int:
         print("error: give either a PLUGIN to certify or --verify REPORT.json", file=sys.stderr)
         return 2
     return certify.main(args.plugin, args.report, args.json, args.waivers, args.verify, devices=args.devices)
+
+
+def _check_repro(args: argparse.Namespace) -> int:
+    from .ops.debug import replay_command
+
+    return replay_command(args.file, args.provider)
 
 
 def version_text() -> str:
@@ -180,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-port", description="The portable hardware layer for LLM inference.")
     parser.add_argument(
         "--version", action=_PrintVersion, help="print the versions of core and of every installed plugin, and exit"
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="strict mode, as VLLM_PORT_STRICT=1: every fallback (a skipped plugin or provider, the reference in place "
+        "of the platform's kernel, an unknown VLLM_PORT_* setting) is an error; also accepted after the command",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -247,6 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--no-passes", action="store_true", help="the graph as traced, before fusion passes")
     inspect.add_argument("--json", action="store_true", help="print one JSON object (the decode graph at the top)")
     inspect.set_defaults(run=_inspect)
+
+    profile = commands.add_parser(
+        "profile",
+        help="time every node of a decode and a prefill step by stack layer, op and provider; --baseline for CI",
+    )
+    from .profile.command import add_arguments as add_profile_arguments  # light: no model code loads
+
+    add_profile_arguments(profile)
+    profile.set_defaults(run=_profile)
+
+    check_repro = commands.add_parser(
+        "check-repro",
+        help="replay a reproducer that debug mode (VLLM_PORT_CHECK) wrote: the call, against the reference",
+    )
+    check_repro.add_argument("file", help="the reproducer's .json file")
+    check_repro.add_argument("--provider", default=None, help="run this provider instead of the one it names")
+    check_repro.set_defaults(run=_check_repro)
 
     generate = commands.add_parser("generate", help="generate text with the engine (default: the bundled model)")
     from .engine.command import add_arguments as add_generate_arguments  # light: no model code loads
@@ -319,10 +354,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def take_strict(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--strict`` (before a ``--``, wherever it stands), and whether it was there."""
+    rest, strict = [], False
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return rest + list(argv[i:]), strict
+        if arg == "--strict":
+            strict = True
+        else:
+            rest.append(arg)
+    return rest, strict
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
-    args = build_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
-    return int(args.run(args))
+    import os
+
+    from .faults import STRICT_ENV
+
+    argv, strict = take_strict(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(join_dash_values(argv))
+    if not strict:
+        return int(args.run(args))
+    before = os.environ.get(STRICT_ENV)
+    os.environ[STRICT_ENV] = "1"  # the environment, so that ranks and tools this command starts are strict too
+    try:
+        return int(args.run(args))
+    finally:
+        if before is None:
+            os.environ.pop(STRICT_ENV, None)
+        else:
+            os.environ[STRICT_ENV] = before
 
 
 if __name__ == "__main__":

@@ -5,12 +5,17 @@ probed on its own; one that fails at any step is recorded with the reason and sk
 takes the process down. Each probe runs under a time limit (``VLLM_PORT_PROBE_TIMEOUT``, 5 s by
 default) on a daemon thread: a probe that hangs marks its platform unavailable, naming the plugin and
 the limit, and neither stalls discovery nor keeps the process alive at exit.
+
+Strict mode (:mod:`vllm_port.faults`) refuses what discovery would otherwise skip and record: a plugin
+that failed, a provider refused at registration, an unknown ``VLLM_PORT_*`` setting, and the code of
+a plugin that the allow/deny list keeps out but that was imported anyway.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +27,8 @@ import pluggy
 
 from . import _defaults, hookspecs
 from .api import API_VERSION, ApiRange
-from .errors import ApiVersionError, PluginError, ProviderRejectedError, SelectionError
+from .errors import ApiVersionError, PluginError, ProviderRejectedError, SelectionError, StrictModeError
+from .faults import STRICT_ENV, describe_unknown, strict_mode, unknown_settings
 from .ops import ALL_OPS, OpRegistry, Provider
 from .platform import PlatformDescription, ProbeResult, validate_description, validate_probe
 
@@ -96,6 +102,9 @@ class Discovery:
     excluded: list[str]
     registry: OpRegistry
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
+    #: what strict mode refuses here, one sentence each: failed plugins, refused providers, unknown
+    #: settings, excluded plugins whose code was imported anyway (empty when nothing is amiss)
+    problems: list[str] = field(default_factory=list)
 
     def platforms(self) -> list[PluginRecord]:
         """Records of platform plugins that loaded cleanly."""
@@ -142,6 +151,7 @@ def discover(
     plugins: str | None = None,
     entry_points: Sequence[metadata.EntryPoint] | None = None,
     probe_timeout_s: float | None = None,
+    strict: bool | None = None,
 ) -> Discovery:
     """Load, validate and probe every installed plugin that the filter admits.
 
@@ -149,8 +159,10 @@ def discover(
     :param entry_points: the entry points to load instead of the installed ones (tests).
     :param probe_timeout_s: seconds each probe may take (``VLLM_PORT_PROBE_TIMEOUT`` when ``None``);
         a probe still running then marks its plugin unavailable and is left behind on a daemon thread.
+    :param strict: refuse every problem in ``Discovery.problems`` (``VLLM_PORT_STRICT`` when ``None``).
     :raises SelectionError: when the filter names a plugin that is not installed, or the limit is not
         a positive number.
+    :raises StrictModeError: in strict mode, when anything was skipped or refused (all of it, one per line).
     """
     limit = probe_timeout(probe_timeout_s)
     found = list(entry_points if entry_points is not None else metadata.entry_points(group=ENTRY_POINT_GROUP))
@@ -164,6 +176,7 @@ def discover(
             f"{source}={spec!r} names {', '.join(map(repr, unknown))}, but no installed plugin is called that; "
             f"installed plugins: {', '.join(sorted(names)) or 'none'}. Fix the name, or pip install vllm-port-<name>"
         )
+    imported_before = set(sys.modules)
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
     manager.register(_defaults, name=CORE_PLUGIN)
@@ -176,7 +189,41 @@ def discover(
             continue
         record = _load_one(manager, registry, ep, records, limit)
         records.append(record)
-    return Discovery(manager, records, excluded, registry, limit)
+    found_now = Discovery(manager, records, excluded, registry, limit)
+    source = f"--plugins={spec!r}" if plugins is not None else f"{PLUGINS_ENV}={spec!r}"
+    found_now.problems = _problems(found_now, found, source, set(sys.modules) - imported_before)
+    if found_now.problems and strict_mode(strict):
+        raise StrictModeError(
+            f"strict mode ({STRICT_ENV}=1) refuses what discovery would skip:\n  "
+            + "\n  ".join(found_now.problems)
+            + f"\nFix or uninstall each plugin named, deny it (VLLM_PORT_PLUGINS=-NAME), or unset {STRICT_ENV}"
+        )
+    return found_now
+
+
+def _problems(
+    found: Discovery, entry_points: Sequence[metadata.EntryPoint], source: str, imported: set[str]
+) -> list[str]:
+    """What strict mode refuses in ``found``: one sentence each, naming the plugin and the reason.
+
+    ``imported`` are the modules first imported while discovering: an excluded plugin's module among
+    them was imported by a plugin that was let in.
+    """
+    problems = [
+        f"plugin {r.name!r} ({r.distribution} {r.version}) was skipped: {r.error}" for r in found.plugins if r.error
+    ]
+    problems += [f"plugin {r.name!r}: provider refused: {msg}" for r in found.plugins for msg in r.rejected]
+    for ep in entry_points:
+        module = ep.value.partition(":")[0].strip()
+        if ep.name in found.excluded and module in imported:
+            problems.append(
+                f"plugin {ep.name!r} is kept out by {source}, but its module {module!r} was imported while the admitted "
+                "plugins loaded, so its code ran; uninstall it, or remove the import from the plugin that makes it"
+            )
+    unknown = unknown_settings(ep.name for ep in entry_points)
+    if unknown:
+        problems.append(describe_unknown(unknown))
+    return problems
 
 
 def _load_one(

@@ -1,16 +1,25 @@
-"""``vllm-port doctor``: what is installed, what was selected and why, which kernel serves each op, and a smoke test of each."""
+"""``vllm-port doctor``: what is installed, what was selected and why, which kernel serves each op, and a smoke test of each.
+
+Every candidate provider is smoke-checked against the float64 reference before it is bound
+(``runtime.bind(dtype, verify=True)``): one that raises or returns a wrong shape, dtype, device or
+values is marked failed with the reason, and the report says which provider serves instead. A bound
+provider far slower than the reference gets a warning. Strict mode's objections are listed too.
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import torch
 
 from .api import API_VERSION
 from .discovery import Discovery, PluginRecord, discover
-from .errors import SelectionError
+from .errors import SelectionError, VllmPortError
+from .faults import STRICT_ENV, strict_mode
 from .ops import REFERENCE
+from .ops.debug import smoke_samples
 from .runtime import Runtime, select
 
 __all__ = ["SMOKE_DTYPES", "diagnose", "render"]
@@ -18,6 +27,11 @@ __all__ = ["SMOKE_DTYPES", "diagnose", "render"]
 SMOKE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: The dtype whose binding ``doctor`` reports as each op's ``provider``.
 REPORT_DTYPE = torch.bfloat16
+#: A bound provider this many times slower than the reference on a smoke sample, and slower than
+#: SLOW_MIN_S, gets a warning: kernels exist to be faster than the plain-torch reference; a
+#: microsecond-sized sample is left alone, where launch costs dominate.
+SLOW_FACTOR = 20.0
+SLOW_MIN_S = 0.02
 
 
 def _plugin_json(record: PluginRecord) -> dict[str, Any]:
@@ -40,35 +54,101 @@ def _plugin_json(record: PluginRecord) -> dict[str, Any]:
     }
 
 
-def smoke(runtime: Runtime, dtype: torch.dtype) -> dict[str, str]:
-    """Run every op's bound provider for ``dtype`` on its small samples against the float64 reference."""
-    kernels = runtime.bind(dtype)
-    gen = torch.Generator().manual_seed(0)
-    results: dict[str, str] = {}
+def _timed(fn: Any, args: tuple[Any, ...], mutated: list[int], device: torch.device, repeats: int = 3) -> float:
+    """Seconds of the fastest of ``repeats`` warm calls of ``fn`` (in-place arguments copied each time,
+    so the sample stays as it was)."""
+    best = float("inf")
+    for attempt in range(repeats + 1):  # the first call warms up: it may compile
+        fresh = tuple(a.clone() if i in mutated else a for i, a in enumerate(args))
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+        start = time.perf_counter()
+        fn(*fresh)
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def slowness(runtime: Runtime, op: Any, chosen: Any, dtype: torch.dtype) -> str | None:
+    """A warning when ``chosen`` is far slower than the reference on the op's first smoke sample, else ``None``."""
+    if chosen.name == REFERENCE:
+        return None
+    sample = smoke_samples(op, dtype, runtime.device)[0]
+    mutated = [i for i, n in enumerate(op.signature.parameters) if n in op.mutates]
+    try:
+        took = _timed(chosen.fn, sample.args, mutated, runtime.device)
+        reference = _timed(op.reference, sample.args, mutated, runtime.device)
+    except Exception:  # the smoke check reports failures; timing only warns
+        return None
+    if took < SLOW_MIN_S or took < SLOW_FACTOR * reference:
+        return None
+    return (
+        f"{chosen.name} ({chosen.plugin}) {dtype}: {took * 1e3:.1f} ms on sample {sample.label!r}, where the reference "
+        f"takes {reference * 1e3:.2f} ms ({took / max(reference, 1e-9):.0f}x); if that is not its first-call cost, "
+        f"VLLM_PORT_OP_PROVIDERS={op.name}=reference runs without it"
+    )
+
+
+def smoke(runtime: Runtime, dtype: torch.dtype) -> tuple[Any, dict[str, str], dict[str, str]]:
+    """Bind ``dtype`` smoke-checking every candidate against the float64 reference on each op's small samples.
+
+    Returns the bound ops (those that failed are in ``skipped``), op -> ``PASS`` or ``FAIL: <provider>
+    (<plugin>) <dtype>: <why>; serves instead: <provider>``, and op -> a warning for a provider far
+    slower than the reference.
+    """
+    kernels = runtime.bind(dtype, verify=True, check=False, strict=False)
+    verdicts: dict[str, str] = {}
+    slow: dict[str, str] = {}
     for name, op in runtime.registry.ops.items():
         chosen = kernels.providers[name]
-        try:
-            for sample in op.samples(dtype, runtime.device, gen)[:2]:
-                problem = op.check(chosen.fn, sample.args, dtype)
-                if problem:
-                    raise AssertionError(f"{sample.label}: {problem}")
-            results[name] = "PASS"
-        except Exception as exc:  # a smoke test reports, it never crashes doctor
-            results[name] = f"FAIL: {chosen.name} ({chosen.plugin}) {dtype}: {type(exc).__name__}: {exc}"
-    return results
+        failed = kernels.skipped.get(name, [])
+        verdicts[name] = "PASS"
+        if failed:
+            bad, why = failed[0]
+            verdicts[name] = f"FAIL: {bad.name} ({bad.plugin}) {dtype}: {why}; serves instead: {chosen.name}"
+        warning = slowness(runtime, op, chosen, dtype)
+        if warning:
+            slow[name] = warning
+    return kernels, verdicts, slow
 
 
-def diagnose(plugins: str | None = None, device: str | None = None) -> dict[str, Any]:
+def _memory(runtime: Runtime) -> dict[str, Any]:
+    try:
+        allocator = runtime.allocator()
+        free, total = allocator.mem_info()
+    except Exception as exc:  # doctor reports; it never crashes
+        return {"allocator": None, "error": f"{type(exc).__name__}: {exc}"}
+    return {"allocator": allocator.name, "free": free, "total": total, "error": None}
+
+
+def _comm(runtime: Runtime) -> dict[str, Any]:
+    try:
+        return {"served_by": runtime.communicator().served_by, "error": None}
+    except Exception as exc:
+        return {"served_by": {}, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def diagnose(plugins: str | None = None, device: str | None = None, strict: bool | None = None) -> dict[str, Any]:
     """Everything ``doctor`` reports, as one JSON-ready object.
 
     Keys: ``api_version``, ``selected``, ``selection_reason``, ``error``, ``plugins``, ``excluded``,
-    ``ops`` (op -> bound ``provider``, ``by_dtype`` and ``candidates``), ``smoke`` (op -> PASS/FAIL), ``ok``.
+    ``ops`` (op -> bound ``provider``, ``by_dtype``, ``candidates``, ``failed`` providers with the
+    reason and what serves instead, ``slow`` warnings), ``smoke`` (op -> PASS/FAIL), ``memory``,
+    ``comm``, ``fallbacks`` (what the layer replaced on its own), ``strict`` and ``strict_problems``
+    (what strict mode refuses), ``ok``.
+
+    :param strict: judge as strict mode does (``VLLM_PORT_STRICT`` when ``None``): any problem it refuses
+        makes the report not ok. Doctor itself never stops at one: it reports them all.
     """
     report: dict[str, Any] = {"api_version": API_VERSION, "selected": None, "selection_reason": None, "error": None}
+    empty = {"plugins": [], "excluded": [], "ops": {}, "smoke": {}, "memory": {}, "comm": {}, "fallbacks": []}
     try:
-        found: Discovery = discover(plugins)
+        strict = strict_mode(strict)
+        found: Discovery = discover(plugins, strict=False)
     except SelectionError as exc:
-        return {**report, "error": str(exc), "plugins": [], "excluded": [], "ops": {}, "smoke": {}, "ok": False}
+        return {**report, **empty, "error": str(exc), "strict": bool(strict), "strict_problems": [], "ok": False}
     report["plugins"] = [_plugin_json(r) for r in found.plugins]
     report["excluded"] = found.excluded
     runtime: Runtime | None = None
@@ -84,22 +164,39 @@ def diagnose(plugins: str | None = None, device: str | None = None) -> dict[str,
             {"provider": p.name, "plugin": p.plugin, "platform": p.platform, "priority": p.priority}
             for p in found.registry.candidates(name)
         ]
-        report["ops"][name] = {"provider": None, "by_dtype": {}, "candidates": candidates}
-    report["smoke"] = {}
+        report["ops"][name] = {"provider": None, "by_dtype": {}, "candidates": candidates, "failed": [], "slow": []}
+    report["smoke"], report["fallbacks"], report["memory"], report["comm"] = {}, [], {}, {}
     if runtime is not None:
         try:
             for dtype in SMOKE_DTYPES:
-                for name, chosen in runtime.bind(dtype).providers.items():
-                    report["ops"][name]["by_dtype"][str(dtype).removeprefix("torch.")] = chosen.name
+                kernels, verdicts, slow = smoke(runtime, dtype)
+                report["fallbacks"] += kernels.fallbacks
+                for name, chosen in kernels.providers.items():
+                    info = report["ops"][name]
+                    info["by_dtype"][str(dtype).removeprefix("torch.")] = chosen.name
                     if dtype == REPORT_DTYPE:
-                        report["ops"][name]["provider"] = chosen.name
-                for name, verdict in smoke(runtime, dtype).items():
+                        info["provider"] = chosen.name
+                    info["failed"] += [
+                        {"provider": p.name, "plugin": p.plugin, "dtype": str(dtype).removeprefix("torch."),
+                         "reason": why, "instead": chosen.name}
+                        for p, why in kernels.skipped.get(name, [])
+                    ]  # fmt: skip
+                    if name in slow:
+                        info["slow"].append(slow[name])
+                for name, verdict in verdicts.items():
                     if report["smoke"].get(name, "PASS") == "PASS":
                         report["smoke"][name] = verdict
-        except SelectionError as exc:
+        except VllmPortError as exc:
             report["error"] = str(exc)
+        report["memory"], report["comm"] = _memory(runtime), _comm(runtime)
+        report["fallbacks"] += runtime.fallbacks
+    report["strict"] = strict
+    report["strict_problems"] = found.problems + list(dict.fromkeys(report["fallbacks"]))
     report["ok"] = (
-        report["error"] is None and bool(report["smoke"]) and all(v == "PASS" for v in report["smoke"].values())
+        report["error"] is None
+        and bool(report["smoke"])
+        and all(v == "PASS" for v in report["smoke"].values())
+        and not (strict and report["strict_problems"])
     )
     return report
 
@@ -143,6 +240,34 @@ def render(report: dict[str, Any]) -> str:
             verdict = report["smoke"].get(name, "not run")
             lines.append(f"  {name:<20} {info['provider']!s:<22} {verdict}")
             lines.append(f"  {'':<20} candidates: {others}")
+            lines += [
+                f"  {'':<20} ! failed: {f['provider']} ({f['plugin']}) {f['dtype']}: {f['reason']} -> {f['instead']} serves instead"
+                for f in info.get("failed", [])
+            ]
+            lines += [f"  {'':<20} ! slow: {warning}" for warning in info.get("slow", [])]
+    memory, comm = report.get("memory") or {}, report.get("comm") or {}
+    if memory:
+        lines.append("")
+        if memory.get("error"):
+            lines.append(f"Memory: error: {memory['error']}")
+        else:
+            lines.append(
+                f"Memory: allocator {memory['allocator']!r}: {memory['free']:,} of {memory['total']:,} bytes free"
+            )
+    if comm:
+        served = ", ".join(f"{part}: {name}" for part, name in comm.get("served_by", {}).items())
+        lines.append(f"Comm: error: {comm['error']}" if comm.get("error") else f"Comm: {served}")
+    if report.get("fallbacks"):
+        lines += ["", "Fallbacks (what vllm-port replaced on its own; strict mode refuses each):"]
+        lines += [f"  - {what}" for what in dict.fromkeys(report["fallbacks"])]
+    if report.get("strict"):
+        problems = report.get("strict_problems") or []
+        lines += [
+            "",
+            f"Strict mode ({STRICT_ENV}=1): "
+            + (f"{len(problems)} problem(s) refused" if problems else "nothing to refuse"),
+        ]
+        lines += [f"  - {p}" for p in problems]
     lines += ["", "OK" if report["ok"] else "NOT OK"]
     return "\n".join(lines)
 

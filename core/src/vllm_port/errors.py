@@ -14,8 +14,10 @@ __all__ = [
     "ModelLoadError",
     "OpInputError",
     "PluginError",
+    "ProviderError",
     "ProviderRejectedError",
     "SelectionError",
+    "StrictModeError",
     "VllmPortError",
 ]
 
@@ -38,6 +40,24 @@ class SelectionError(VllmPortError):
 
 class ProviderRejectedError(VllmPortError):
     """A provider does not honour its op's contract (unknown op, wrong signature, bad metadata)."""
+
+
+class ProviderError(VllmPortError):
+    """A bound provider failed at run time: it raised, or returned what its op's contract does not allow.
+
+    The message names the op, the provider, its plugin and the way around it (another provider
+    through ``VLLM_PORT_OP_PROVIDERS``, or denying the plugin). ``op``, ``provider`` and ``plugin``
+    hold the names.
+    """
+
+    def __init__(self, message: str, op: str = "", provider: str = "", plugin: str = "") -> None:
+        super().__init__(message)
+        self.op, self.provider, self.plugin = op, provider, plugin
+
+
+class StrictModeError(SelectionError):
+    """Strict mode (``VLLM_PORT_STRICT=1``, ``--strict``) refused a fallback: a skipped plugin or provider,
+    a reference bound in place of the platform's kernel, a replaced allocator, or an unknown setting."""
 
 
 class OpInputError(VllmPortError, ValueError):

@@ -2,24 +2,36 @@
 
 ``load()`` runs discovery and selection once; engines keep the returned :class:`Runtime` and call
 ``bind(dtype)`` to get the kernels for their model.
+
+Where a plugin's part misbehaves, the runtime keeps going and records why in ``Runtime.fallbacks``
+(strict mode refuses instead, :mod:`vllm_port.faults`): an allocator whose memory report is
+nonsense gives way to core's allocator for the device type; a plugin's comm part that fails is
+named in the error (:mod:`vllm_port.guards`). Bound ops in debug mode: :mod:`vllm_port.ops.debug`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import device_properties
 from .comm import Collectives, Communicator, PointToPoint
-from .discovery import Discovery, PluginRecord, discover, first_result
+from .discovery import CORE_PLUGIN, Discovery, PluginRecord, discover, first_result
 from .errors import MemoryContractError, PluginError, SelectionError
+from .faults import fall_back
 from .graph import GraphCapture
+from .guards import GuardedCollectives, GuardedPointToPoint, mem_info_problem
 from .memory import Allocator, BlockPoolFactory, HostMemoryAllocator, KVCache, KVLayout, Migrator, default_allocator
 from .ops import BindContext, BoundOps, OpRegistry
+from .ops.debug import check_config
 from .platform import PlatformDescription
 from .reclaimer import DefaultReclaimer, Reclaimer
+
+if TYPE_CHECKING:
+    from .ops.debug import CheckConfig
 
 __all__ = ["Runtime", "load", "parse_provider_preferences", "select"]
 
@@ -80,12 +92,14 @@ class Runtime:
     Attributes:
         discovery: every plugin's record and the op registry.
         selected: the chosen platform's record; ``reason`` says why it was chosen.
+        fallbacks: each part the runtime replaced on its own, and why (strict mode refuses instead).
     """
 
     def __init__(self, discovery: Discovery, selected: PluginRecord, reason: str) -> None:
         self.discovery = discovery
         self.selected = selected
         self.reason = reason
+        self.fallbacks: list[str] = []
         self._allocators: dict[str, Allocator] = {}
         self._migrator: Migrator | None = None
         self._reclaimer: Reclaimer | None = None
@@ -116,15 +130,30 @@ class Runtime:
             self.platform.name, self.platform.device_type, dtype, dict(probe.capabilities) if probe else {}
         )
 
-    def bind(self, dtype: torch.dtype, prefer: Mapping[str, str] | None = None, traceable: bool = False) -> BoundOps:
+    def bind(
+        self,
+        dtype: torch.dtype,
+        prefer: Mapping[str, str] | None = None,
+        traceable: bool = False,
+        *,
+        verify: bool = False,
+        check: CheckConfig | bool | None = None,
+        strict: bool | None = None,
+    ) -> BoundOps:
         """Resolve every op once for ``dtype`` on the selected platform.
 
         :param prefer: op -> provider name overrides; ``VLLM_PORT_OP_PROVIDERS`` is read when ``None``.
         :param traceable: bind custom-op wrappers for ``torch.compile(fullgraph=True)``.
+        :param verify: smoke-check every candidate first and skip those that fail (``vllm-port doctor`` does).
+        :param check: debug mode's settings; ``VLLM_PORT_CHECK`` is read when ``None``; ``False``: off.
+        :param strict: refuse every fallback; ``VLLM_PORT_STRICT`` is read when ``None``.
         """
         if prefer is None:
             prefer = parse_provider_preferences(os.environ.get(PROVIDERS_ENV))
-        return self.registry.bind(self.bind_context(dtype), prefer, traceable)
+        config = check_config() if check is None else (check or None)
+        return self.registry.bind(
+            self.bind_context(dtype), prefer, traceable, verify=verify, check=config, device=self.device, strict=strict
+        )
 
     def allocator(self, tier: str = "device") -> Allocator:
         """The allocator of one of the selected platform's memory tiers; the same object on every call.
@@ -168,7 +197,25 @@ class Runtime:
                 f"platform {self.platform.name!r}: plugin {plugin!r} answered vllm_port_allocator with {allocator!r}, "
                 "not a vllm_port.memory.Allocator"
             )
+        if plugin:  # a plugin's allocator: its memory report sizes the KV cache, so it is checked first
+            allocator = self._checked_allocator(plugin, allocator)
         return allocator
+
+    def _checked_allocator(self, plugin: str, allocator: Allocator) -> Allocator:
+        """``allocator``, or core's allocator for the device type when the plugin's reports nonsense."""
+        core = default_allocator(self.platform.device_type)
+        problem = mem_info_problem(allocator, core)
+        if problem is None:
+            return allocator
+        what = f"platform {self.platform.name!r}: the allocator {allocator.name!r} of plugin {plugin!r}: {problem}"
+        fix = f"Fix _mem_info in plugin {plugin!r}"
+        if core is None:
+            raise PluginError(
+                f"{what}; core has no allocator of its own for device type {self.platform.device_type!r} to use "
+                f"instead. {fix}"
+            )
+        fall_back(f"{what}; core's {core.name!r} allocator serves instead", fix, record=self.fallbacks)
+        return core
 
     def block_pool_factory(self) -> BlockPoolFactory:
         """The selected platform's KV-cache block pool factory (core's device-free pool by default)."""
@@ -236,12 +283,17 @@ class Runtime:
 
     def communicator(self) -> Communicator:
         """The selected platform's point-to-point and collectives, each from whichever plugin serves it."""
-        _, p2p = first_result(self.discovery.manager, "vllm_port_point_to_point", platform=self.platform)
-        _, coll = first_result(self.discovery.manager, "vllm_port_collectives", platform=self.platform)
+        p2p_plugin, p2p = first_result(self.discovery.manager, "vllm_port_point_to_point", platform=self.platform)
+        coll_plugin, coll = first_result(self.discovery.manager, "vllm_port_collectives", platform=self.platform)
         if not isinstance(p2p, PointToPoint) or not isinstance(coll, Collectives):
             raise PluginError(
                 f"comm parts for {self.platform.name!r} are not PointToPoint/Collectives: {p2p!r}, {coll!r}"
             )
+        # a plugin's part is wrapped so its failures name it; core's own already name the rank and the call
+        if p2p_plugin != CORE_PLUGIN:
+            p2p = GuardedPointToPoint(p2p, p2p_plugin)
+        if coll_plugin != CORE_PLUGIN:
+            coll = GuardedCollectives(coll, coll_plugin)
         return Communicator(p2p, coll)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from vllm_port.errors import OpInputError
 from vllm_port.ops._custom import as_custom_op
+from vllm_port.ops.checks import validation
 
 #: A failure message quotes at most this many characters of each failing case's problem.
 _PROBLEM_CHARS = 300
@@ -37,10 +38,11 @@ def test_provider_matches_reference(plugin, provider_case):
     gen = torch.Generator().manual_seed(0)
     samples = op.samples(dtype, plugin.device, gen)
     failures = []
-    for sample in samples:
-        problem = _run_case(op, provider, sample, dtype)
-        if problem is not None:
-            failures.append(f"case {sample.label!r}: {problem[:_PROBLEM_CHARS]}")
+    with validation():  # every sample is valid: the input checks that read values must accept it too
+        for sample in samples:
+            problem = _run_case(op, provider, sample, dtype)
+            if problem is not None:
+                failures.append(f"case {sample.label!r}: {problem[:_PROBLEM_CHARS]}")
     if failures:  # raised, not asserted: the report's message is then this text alone
         raise AssertionError(
             f"{_who(provider, dtype)}: {len(failures)} of {len(samples)} cases fail: " + " | ".join(failures)
@@ -53,6 +55,18 @@ def test_provider_refuses_error_inputs(plugin, provider_case):
     op = plugin.discovery.registry.ops[provider.op]
     for case in op.errors(plugin.device):
         with pytest.raises(OpInputError) as info:
+            provider.fn(*case.args)
+        assert case.match in str(info.value), f"{_who(provider, dtype)} refused {case.label!r} unclearly: {info.value}"
+
+
+def test_provider_refuses_out_of_range_values(plugin, provider_case):
+    """Under validation (``vllm_port.ops.checks``: off in production, as it reads tensor values), every provider
+    refuses the op's value errors: an id past the vocabulary, a slot or block past the cache, a bad length."""
+    provider, dtype = provider_case
+    plugin.require_device()
+    op = plugin.discovery.registry.ops[provider.op]
+    for case in op.value_errors(plugin.device):
+        with validation(), pytest.raises(OpInputError) as info:
             provider.fn(*case.args)
         assert case.match in str(info.value), f"{_who(provider, dtype)} refused {case.label!r} unclearly: {info.value}"
 

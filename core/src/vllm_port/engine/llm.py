@@ -9,6 +9,8 @@
         print(out.outputs[0].text, out.outputs[0].finish_reason)
     for delta in llm.stream("The sea", SamplingParams(max_tokens=32)):   # tokens as they are produced
         print(delta.text, end="", flush=True)
+        if "." in delta.text:
+            llm.abort(delta.request_id)   # or close the stream: its blocks go back to the pool now
 
 Bad requests do not stop a batch: a prompt that is empty, too long for ``max_model_len``, or holds
 token ids outside the vocabulary (or is text when the model has no tokenizer) gets an output with
@@ -35,14 +37,17 @@ import torch
 
 from ..data import bundled_model_dir
 from ..errors import VllmPortError
+from ..memory import host_memory
 from ..models import load_config
+from ..models.config import model_file
+from ..models.loader import check_fits
 from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
 from .runner import ModelRunner, StepFunction
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence as Seq
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLM", "CompletionOutput", "EngineError", "RequestOutput", "StreamOutput"]
 
@@ -98,13 +103,25 @@ class StreamOutput:
 
 
 @dataclass
+class _Call:
+    """One open ``generate``/``stream`` call: its deltas not yet yielded, and its requests still unfinished.
+
+    Counting (not scanning the requests) keeps a step's bookkeeping proportional to the step, not to
+    the thousands of requests a call may hold.
+    """
+
+    outputs: deque[StreamOutput] = field(default_factory=deque)
+    unfinished: int = 0
+
+
+@dataclass
 class _Request:
     index: int
     prompt: str | None
     seq: Seq  # finish_reason "error": refused before scheduling
     detokenizer: IncrementalDetokenizer | None
     text: list[str] = field(default_factory=list)
-    pending: deque[StreamOutput] = field(default_factory=deque)  # deltas not yet yielded
+    call: _Call | None = None  # the call that yields this request's deltas, once it runs
 
 
 class LLM:
@@ -161,6 +178,16 @@ class LLM:
         self.runtime = device if isinstance(device, Runtime) else load(plugins, None if device == "auto" else device)
         config = load_config(self.model_dir)
         self.dtype = _resolve_dtype(dtype, config.dtype)
+        # from config.json's sizes alone, before any weight or cache is allocated; with tensor
+        # parallelism the ranks own the devices (asking here could open a device context in this process)
+        check_fits(
+            config,
+            self.dtype,
+            device_free=self.runtime.allocator().mem_info()[0] if tensor_parallel_size == 1 else None,
+            host_free=host_memory()[0],
+            where=f"platform {self.runtime.platform.name!r}'s device",
+            config_path=self.model_dir / "config.json",
+        )
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len is {max_model_len!r}; it must be an int >= 2")
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
@@ -168,6 +195,7 @@ class LLM:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"({config.max_position_embeddings}, {self.model_dir / 'config.json'}); lower it"
             )
+        model_file(self.model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         longest = max_model_len or config.max_position_embeddings
         if swap_space is None:
@@ -310,40 +338,65 @@ class LLM:
         """Step the engine until ``requests`` are done, yielding their deltas.
 
         Several calls may be open at once (streams consumed in turns): each step serves every live
-        request, and each delta waits in its own request's queue until its call yields it.
+        request, and each delta waits in its own call's queue until that call yields it.
         """
+        call = _Call()
         mine = [r for r in requests if r.seq.finish_reason != "error"]
+        for r in requests:
+            if r.seq.finish_reason == "error":
+                call.outputs.append(StreamOutput(r.index, r.seq.request_id, [], "", "error", r.seq.error))
         for r in mine:
+            r.call = call
             self._live[r.seq.request_id] = r
             self.scheduler.add(r.seq)
+        call.unfinished = len(mine)
         try:
-            for r in requests:
-                if r.seq.finish_reason == "error":
-                    yield StreamOutput(r.index, r.seq.request_id, [], "", "error", r.seq.error)
-            while any(r.pending or not r.seq.is_finished for r in mine):
-                if not any(r.pending for r in mine):
+            while call.outputs or call.unfinished:
+                if not call.outputs:
                     self._step()
-                for r in mine:
-                    while r.pending:
-                        yield r.pending.popleft()
+                while call.outputs:
+                    yield call.outputs.popleft()
         finally:
             for r in mine:
                 if not r.seq.is_finished:
                     self.scheduler.finish(r.seq, "abort")
                 self._live.pop(r.seq.request_id, None)
 
+    def abort(self, request_id: str) -> bool:
+        """End a running request now: its blocks go back to the pool (its cached prefix stays cached).
+
+        ``request_id`` is a :class:`StreamOutput`'s ``request_id``. Call it from the thread that
+        consumes the stream, between deltas; the stream then yields the request's last output,
+        with ``finish_reason == "abort"``, and goes on with the others (``generate`` reports the
+        request as aborted with the tokens it had).
+
+        :return: whether the request was running (``False``: unknown, or already finished).
+        """
+        r = self._live.get(request_id)
+        if r is None or r.seq.is_finished or r.call is None:
+            return False
+        self.scheduler.finish(r.seq, "abort")
+        text = r.detokenizer.flush() if r.detokenizer is not None else ""
+        r.text.append(text)
+        r.call.outputs.append(StreamOutput(r.index, request_id, [], text, "abort"))
+        r.call.unfinished -= 1
+        return True
+
     def _step(self) -> None:
-        """One engine step: schedule, run, and queue each live request's new token."""
+        """One engine step: schedule, run, and queue each live request's new token for its call."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            raise EngineError(
-                f"a step scheduled nothing while requests wait (waiting: {self.scheduler.waiting}, "
-                f"running: {self.scheduler.running}); please report this"
+            waiting, running = self.scheduler.waiting, self.scheduler.running
+            raise EngineError(  # the first few of each: under load the queues hold thousands
+                f"a step scheduled nothing while requests wait (waiting: {len(waiting)}, first {waiting[:3]}; "
+                f"running: {len(running)}, first {running[:3]}); please report this"
             )
         sampled = self.runner.execute(out.batch(self.runner.block_size))
         for seq in self.scheduler.update(out, sampled):
             r = self._live[seq.request_id]
-            r.pending.append(self._advance(r))
+            r.call.outputs.append(self._advance(r))
+            if seq.is_finished:
+                r.call.unfinished -= 1
 
     def _advance(self, r: _Request) -> StreamOutput:
         seq = r.seq

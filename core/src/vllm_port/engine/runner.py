@@ -32,6 +32,7 @@ from ..flat.capture import DecodeGraphs, padded_batch_sizes
 from ..memory import KVLayout
 from ..models import AttentionMetadata, LlamaModel, load_model
 from ..ops import BoundOps
+from ..ops.debug import blame
 from .scheduler import StepBatch
 
 __all__ = ["ModelRunner", "StepFunction", "default_step", "eager_step", "flat_step"]
@@ -218,7 +219,7 @@ class ModelRunner:
         self._migrate(batch)
         if not batch.query_lens:
             return []
-        with torch.inference_mode():
+        with torch.inference_mode(), blame(self.ops):  # a provider that raises is named (no cost otherwise)
             ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
             if self._captured(batch):  # rows are every sequence, in order
                 logits = self.decode_graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)

@@ -175,7 +175,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in arrival order
         #: cached-free blocks (block -> prefix hash) in the pool's order, least recently used first
         self._cached: OrderedDict[int, int] = OrderedDict()
+        #: preemptions so far, and how many of them swapped (the rest recomputed)
         self.num_preemptions = 0
+        self.num_swapped = 0
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -191,16 +193,29 @@ class Scheduler:
         """End ``seq`` (any status): its blocks go back to the pools (prefix blocks stay cached)."""
         if seq.is_finished:
             return
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        else:
+            self._unqueue(seq)
         self._release(seq)
         if seq.swap_table:
             self.swap_pool.free(seq.swap_table)
             seq.swap_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.error = reason, error
+
+    def _unqueue(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the waiting queue if it is there, by a binary search on its arrival.
+
+        Closing a stream of thousands of queued requests then costs that many searches, not scans.
+        """
+        waiting = self.waiting
+        i = bisect.bisect_left(waiting, seq.arrival, key=_arrival)
+        while i < len(waiting) and waiting[i].arrival == seq.arrival:
+            if waiting[i] is seq:
+                del waiting[i]
+                return
+            i += 1
 
     # --- one step ----------------------------------------------------------------------------------
 
@@ -343,6 +358,7 @@ class Scheduler:
             out.swap_out += zip(seq.block_table, swap_blocks, strict=True)
             seq.swap_table = swap_blocks
             seq.status = SequenceStatus.SWAPPED
+            self.num_swapped += 1
         else:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING

@@ -4,6 +4,12 @@ Both spellings transformers has used are read: ``rope_theta`` + ``rope_scaling``
 (4.x), and ``rope_parameters`` with ``dtype`` (5.x). Every field is type-checked; a missing or
 wrong one, an architecture or rope scaling this package does not run, is a :class:`ModelLoadError`
 naming the file, the field and what was expected.
+
+A config is data from elsewhere, read before anything is allocated: every size has an upper bound
+(:data:`SIZE_LIMITS`, far above any released model), so an absurd one is refused here with its
+field's name rather than met as an out-of-memory crash, and :meth:`ModelConfig.weight_bytes` says
+what the weights will take before they are loaded. Files are read only inside the model directory
+(:func:`model_file`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from types import MappingProxyType
 from typing import Any
 
@@ -21,13 +27,42 @@ import torch
 
 from ..errors import ModelLoadError
 
-__all__ = ["ROPE_TYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "load_config"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "ROPE_TYPES",
+    "SIZE_LIMITS",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "load_config",
+    "model_file",
+    "read_json",
+]
 
 #: The ``architectures`` one flat definition (:class:`~vllm_port.models.llama.LlamaModel`) serves.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 #: The rope types understood: plain RoPE and Llama 3.1's frequency-dependent scaling.
 ROPE_TYPES = ("default", "llama3")
 _REQUIRED = object()  # marks a field without a default
+#: The largest value each size field of config.json may hold. Each is many times the largest
+#: released model's (vocabularies reach ~262k, hidden sizes ~25k, MLPs ~110k, depths ~130 layers,
+#: contexts 10M): past them the file is not a model but a mistake or an attack, refused before any
+#: structure is sized by it. The sizes together are then held to memory (``ModelConfig.weight_bytes``).
+SIZE_LIMITS: Mapping[str, int] = MappingProxyType(
+    {
+        "vocab_size": 1 << 24,
+        "hidden_size": 1 << 20,
+        "intermediate_size": 1 << 22,
+        "num_hidden_layers": 1 << 12,
+        "num_attention_heads": 1 << 12,
+        "num_key_value_heads": 1 << 12,
+        "head_dim": 1 << 12,
+        "max_position_embeddings": 1 << 26,
+        "original_max_position_embeddings": 1 << 26,
+        "sliding_window": 1 << 26,
+        "max_window_layers": 1 << 12,
+        "bos_token_id": 1 << 24,
+    }
+)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -82,6 +117,26 @@ class ModelConfig:
         """Whether ``o_proj`` has a bias: Llama's ``attention_bias`` covers it, Qwen2's biases stop at q/k/v."""
         return self.attention_bias and self.architecture == "LlamaForCausalLM"
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the weights the model reads (every tensor of ``expected_weights``), from the sizes alone."""
+        h, q, kv, mlp = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
+        per_layer = 2 * h + (q + 2 * kv) * h + q * h + 3 * mlp * h
+        per_layer += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * per_layer + h
+
+    @property
+    def largest_tensor_numel(self) -> int:
+        """Elements of the largest single weight (what loading holds on the host at once)."""
+        h = self.hidden_size
+        return max(self.vocab_size * h, self.intermediate_size * h, (self.q_size + 2 * self.kv_size) * h)
+
+    def weight_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes the loaded model takes on its device in ``dtype``: the weights and the float32 rotary table."""
+        rope_table = self.max_position_embeddings * self.head_size * 4
+        return self.num_parameters * dtype.itemsize + rope_table
+
 
 class _Fields:
     """Typed reads of one JSON object, each failure a ``ModelLoadError`` naming the file and the field."""
@@ -98,12 +153,20 @@ class _Fields:
         )
 
     def get_int(self, name: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
-        """The field as an int >= ``minimum``; absent or null gives ``default`` (``None`` allowed), else fails."""
+        """The field as an int in [``minimum``, its :data:`SIZE_LIMITS` bound]; absent or null gives ``default``.
+
+        ``default`` may be ``None``; without one, an absent field fails.
+        """
         value = self.raw.get(name)
         if value is None and default is not _REQUIRED:
             return default
         if value is None or isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.fail(name, f"an int >= {minimum}")
+        limit = SIZE_LIMITS.get(name)
+        if limit is not None and value > limit:
+            raise self.fail(
+                name, f"an int in [{minimum}, {limit:,}]: no model is that large; the file is damaged or not a config"
+            )
         return value
 
     def get_float(self, name: str, default: float | None = None) -> float:
@@ -133,8 +196,65 @@ class _Fields:
         return tuple(values)
 
 
-def _read_json(path: Path, what: str) -> Mapping[str, Any]:
+def model_file(model_dir: str | os.PathLike[str], name: object, named_by: str = "") -> Path:
+    """The path of file ``name`` of a model directory, refusing one that would read outside it.
+
+    ``name`` comes from the directory's own files (an index's ``weight_map``), so it may be
+    anything: it must be a relative path without ``..``, and when the file is a symlink it must
+    point inside the directory, or, in a Hugging Face hub cache (``.../snapshots/REV/`` whose files
+    link to ``.../blobs/``), into that cache's ``blobs``. The file need not exist (the caller says
+    what is missing).
+
+    :param named_by: who named the file (e.g. ``"model.safetensors.index.json field 'weight_map'"``),
+        for the message.
+    :raises ModelLoadError: naming the file, who named it, and where it points.
+    """
+    root = Path(model_dir)
+    who = f" ({named_by})" if named_by else ""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ModelLoadError(f"{root}: file name {name!r}{who} is not a file name")
+    relative = PurePosixPath(name.replace("\\", "/"))
+    if relative.is_absolute() or PureWindowsPath(name).drive or ".." in relative.parts:
+        raise ModelLoadError(
+            f"{root}: file {name!r}{who} lies outside the model directory (absolute or through '..'); "
+            "a model directory names only files inside it: fix the entry or re-save the checkpoint"
+        )
+    path = root / relative
+    target = path.resolve()  # through every symlink on the way, the file's own included
+    if not any(target.is_relative_to(allowed) for allowed in _allowed_roots(root)):
+        raise ModelLoadError(
+            f"{path}{who}: a symlink to {target}, outside the model directory {root}; copy the file "
+            "into the directory (vllm-port reads only files inside it)"
+        )
+    return path
+
+
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where a model directory's symlinks may point: itself, and a hub cache's blobs for a snapshot directory."""
+    resolved = root.resolve()
+    allowed = [resolved]
+    if resolved.parent.name == "snapshots":  # huggingface_hub's cache: snapshots/REV/FILE -> ../../blobs/HASH
+        allowed.append(resolved.parent.parent / "blobs")
+    return allowed
+
+
+#: The largest JSON file of a model directory read (config.json is a few kB, a shard index of a
+#: model with thousands of tensors a few hundred): a bigger one is not read into memory.
+MAX_JSON_BYTES = 64 << 20
+
+
+def read_json(path: Path, what: str) -> Mapping[str, Any]:
+    """A JSON object from a model directory's file, refusing a missing, oversized, unreadable or non-object one.
+
+    :raises ModelLoadError: naming the file and what was wrong.
+    """
     try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise ModelLoadError(
+                f"{path}: {what} is {size:,} bytes; no model's {what} is over {MAX_JSON_BYTES:,}: the file is "
+                "damaged or not what it claims; re-download or re-save it"
+            )
         with path.open(encoding="utf-8") as f:
             raw = json.load(f)
     except FileNotFoundError:
@@ -238,8 +358,8 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     :raises ModelLoadError: for a missing or unreadable file, an unsupported architecture or rope
         scaling, or a field that is missing or of the wrong type or value; the message names the field.
     """
-    path = Path(model_dir) / "config.json"
-    fields = _Fields(path, _read_json(path, "config.json"))
+    path = model_file(model_dir, "config.json")
+    fields = _Fields(path, read_json(path, "config.json"))
     architecture = _architecture(fields)
     _refuse_unsupported(fields, architecture)
     hidden, heads = fields.get_int("hidden_size"), fields.get_int("num_attention_heads")
@@ -256,9 +376,9 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     num_layers = fields.get_int("num_hidden_layers")
     rope_theta, rope_scaling = _rope(fields)
     eos = fields.token_ids("eos_token_id")
-    generation = Path(model_dir) / "generation_config.json"
+    generation = model_file(model_dir, "generation_config.json")
     if generation.exists():
-        more = _Fields(generation, _read_json(generation, "generation_config.json")).token_ids("eos_token_id")
+        more = _Fields(generation, read_json(generation, "generation_config.json")).token_ids("eos_token_id")
         eos += tuple(t for t in more if t not in eos)
     return ModelConfig(
         architecture=architecture,

@@ -6,25 +6,30 @@ any problem is a :class:`ModelLoadError` raised before one byte of weights moves
 opens one shard at a time and moves its tensors one by one to the device in the target dtype, so
 host memory holds one tensor, never the model (the file itself is memory-mapped, not read whole).
 
-Pickled checkpoints (``.bin``, ``.pt``) are never opened: unpickling runs arbitrary code.
+Trust: a checkpoint is data from elsewhere, so nothing in it runs and nothing it names leaves the
+directory. Pickled checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are never opened: unpickling
+runs arbitrary code; they are refused, naming the files and how to convert them. The shard index
+may name only ``.safetensors`` files inside the model directory (:func:`~.config.model_file`: no
+absolute paths, no ``..``, no symlink out). :func:`check_fits` holds what config.json implies to the
+memory there is, before anything is allocated.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import ModelLoadError
 from ..ops import FLOAT_DTYPES
-from .config import ModelConfig
+from .config import ModelConfig, model_file, read_json
 
-__all__ = ["WeightSpec", "expected_weights", "load_weights"]
+__all__ = ["WeightSpec", "check_fits", "expected_weights", "load_weights"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -87,32 +92,85 @@ def _checkpoint_files(model_dir: Path) -> dict[str, Path] | list[Path]:
     """The index's tensor -> file map when the checkpoint is sharded with an index, else its safetensors files."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
-    index = model_dir / _INDEX
+    index = model_file(model_dir, _INDEX)
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-            raise ModelLoadError(f"{index}: cannot read the shard index ({exc}); re-download or re-save it") from exc
+        weight_map = read_json(index, "the shard index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ModelLoadError(f"{index}: field 'weight_map' must map tensor names to shard file names")
-        return {name: model_dir / file for name, file in weight_map.items()}
+        files: dict[str, Path] = {}
+        field = f"{_INDEX} field 'weight_map'"
+        for shard in sorted(set(weight_map.values())):  # each file checked once, however many tensors it holds
+            path = model_file(model_dir, shard, named_by=field)
+            if not shard.endswith(".safetensors"):
+                _refuse_pickled(model_dir, f"{field} names {shard!r}, which is not a .safetensors file")
+            files[shard] = path
+        return {name: files[file] for name, file in weight_map.items()}
     if (model_dir / _SINGLE).exists():
-        return [model_dir / _SINGLE]
-    found = sorted(model_dir.glob("*.safetensors"))
+        return [model_file(model_dir, _SINGLE)]
+    found = [model_file(model_dir, p.name) for p in sorted(model_dir.glob("*.safetensors"))]
     if found:
         return found
     pickled = sorted(p.name for pattern in _PICKLED for p in model_dir.glob(pattern))
     if pickled:
-        raise ModelLoadError(
-            f"{model_dir}: only pickled checkpoints ({', '.join(pickled)}), which vllm-port never loads "
-            "(unpickling runs arbitrary code). Convert them once, on a machine where you trust the files: "
-            'python -c "from transformers import AutoModelForCausalLM as M; '
-            f"M.from_pretrained('{model_dir}').save_pretrained('OUT_DIR')\" (writes safetensors), then load OUT_DIR"
-        )
+        _refuse_pickled(model_dir, f"only pickled checkpoints ({', '.join(pickled)})")
     raise ModelLoadError(
         f"{model_dir}: no weights: expected {_SINGLE}, or shards with {_INDEX}; the directory holds "
         f"{', '.join(sorted(p.name for p in model_dir.iterdir())) or 'nothing'}"
     )
+
+
+def _refuse_pickled(model_dir: Path, what: str) -> NoReturn:
+    raise ModelLoadError(
+        f"{model_dir}: {what}, which vllm-port never loads (unpickling runs arbitrary code). Convert the "
+        "checkpoint to safetensors once, on a machine where you trust the files: "
+        'python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{model_dir}').save_pretrained('OUT_DIR')\" (writes safetensors), then load OUT_DIR"
+    )
+
+
+def check_fits(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    device_free: int | None,
+    host_free: int,
+    num_shards: int = 1,
+    where: str = "the device",
+    config_path: str | os.PathLike[str] = "config.json",
+) -> None:
+    """Refuse a model whose weights cannot fit, from config.json's sizes alone, before anything is allocated.
+
+    The device must hold the weights in ``dtype`` (split over ``num_shards`` devices with tensor
+    parallelism: a lower bound per device, so nothing that fits is refused) and the rotary table;
+    the host must hold the largest tensor twice while loading converts it (as read, then in ``dtype``).
+    ``device_free=None`` checks the host only (the caller cannot ask the device without side effects).
+
+    :raises ModelLoadError: naming config.json, the sizes that make up the bytes, the bytes and the memory free.
+    """
+    c = config
+    sizes = (
+        f"vocab_size={c.vocab_size:,}, hidden_size={c.hidden_size:,}, intermediate_size={c.intermediate_size:,}, "
+        f"num_hidden_layers={c.num_layers:,}, max_position_embeddings={c.max_position_embeddings:,}"
+    )
+    per_device = -(-c.weight_bytes(dtype) // num_shards)
+    if device_free is not None and per_device > device_free:
+        split = f" per device over {num_shards} devices" if num_shards > 1 else ""
+        raise ModelLoadError(
+            f"{config_path}: the weights take {_gib(per_device)}{split} in {str(dtype).removeprefix('torch.')} "
+            f"({c.num_parameters:,} parameters from {sizes}), more than the {_gib(device_free)} free on {where}; "
+            "load a smaller dtype, shard it over more devices (tensor_parallel_size), or pick a smaller model"
+        )
+    staging = c.largest_tensor_numel * (c.dtype.itemsize + dtype.itemsize)
+    if staging > host_free:
+        raise ModelLoadError(
+            f"{config_path}: loading stages its largest tensor ({c.largest_tensor_numel:,} elements, from {sizes}) "
+            f"in {_gib(staging)} of host memory, more than the {_gib(host_free)} available; free host memory "
+            "or pick a smaller model"
+        )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB"
 
 
 def _read_header(path: Path) -> _Header:

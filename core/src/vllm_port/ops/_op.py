@@ -75,6 +75,9 @@ class Op:
         invariant: what must hold *exactly* beyond the tolerance, given the sample's arguments and
             the provider's output (attention: a padded sequence's rows are zero); returns what is
             wrong, or None.
+        value_errors: makes inputs whose *values* break the contract (a token id past the
+            vocabulary, a slot past the cache): every provider must refuse them while validation is
+            on (:func:`vllm_port.ops.checks.validation`), which conformance turns on.
     """
 
     name: str
@@ -86,6 +89,7 @@ class Op:
     mutates: tuple[str, ...] = ()
     checker: Callable[[Op, Callable[..., Any], tuple[Any, ...], torch.dtype], str | None] | None = None
     invariant: Callable[[tuple[Any, ...], Any], str | None] | None = None
+    value_errors: ErrorFactory = lambda device: ()
     signature: inspect.Signature = field(init=False)
 
     def __post_init__(self) -> None:

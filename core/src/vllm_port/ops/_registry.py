@@ -5,6 +5,12 @@ predicate. Registration refuses a provider whose signature differs from the op's
 Binding picks, for one platform and dtype, the supported provider of highest priority for every
 op, with the reference last. The result, :class:`BoundOps`, holds the chosen functions as plain
 attributes: calling ``kernels.rms_norm(...)`` is one attribute load and a call, nothing more.
+
+Where binding falls back on its own (a candidate whose support predicate raises, one that fails its
+smoke check under ``verify=True`` or was quarantined in this process, the reference serving an op
+the platform's providers do not cover), it records why in ``BoundOps.skipped`` and
+``BoundOps.fallbacks``; strict mode (:mod:`vllm_port.faults`) refuses instead. Debug mode
+(``check=``, :mod:`vllm_port.ops.debug`) binds checking wrappers in place of the bare functions.
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ..errors import ProviderRejectedError, SelectionError
+from ..errors import ProviderError, ProviderRejectedError, SelectionError
+from ..faults import fall_back, strict_mode
 from ._op import Op
+
+if TYPE_CHECKING:
+    from .debug import CheckConfig
 
 __all__ = ["FLOAT_DTYPES", "REFERENCE", "BindContext", "BoundOps", "OpRegistry", "Provider", "provider"]
 
@@ -93,11 +103,30 @@ def provider(
 
 
 class BoundOps:
-    """The ops bound for one platform and dtype: ``kernels.rms_norm(x, w, eps)`` calls the chosen provider."""
+    """The ops bound for one platform and dtype: ``kernels.rms_norm(x, w, eps)`` calls the chosen provider.
 
-    def __init__(self, ctx: BindContext, providers: Mapping[str, Provider]) -> None:
+    Attributes:
+        context: the platform, device type, dtype and capabilities bound for.
+        providers: op -> the provider serving it (after a quarantine in debug mode: the one serving now).
+        candidates: op -> the supported providers from the chosen one on, in the order binding tried them.
+        skipped: op -> ``(provider, reason)`` for each candidate passed over (failed check, quarantine).
+        fallbacks: every fallback binding took, one sentence each (what strict mode refuses).
+    """
+
+    def __init__(
+        self,
+        ctx: BindContext,
+        providers: Mapping[str, Provider],
+        *,
+        candidates: Mapping[str, list[Provider]] | None = None,
+        skipped: Mapping[str, list[tuple[Provider, str]]] | None = None,
+        fallbacks: list[str] | None = None,
+    ) -> None:
         self.context = ctx
         self.providers = dict(providers)
+        self.candidates = dict(candidates or {})
+        self.skipped = {op: list(found) for op, found in (skipped or {}).items()}
+        self.fallbacks = list(fallbacks or [])
         for op_name, chosen in providers.items():
             setattr(self, op_name, chosen.fn)
 
@@ -172,12 +201,28 @@ class OpRegistry:
             return named[0]
         return next(p for p in candidates if p.is_supported(ctx))  # the reference supports every op dtype
 
-    def bind(self, ctx: BindContext, prefer: Mapping[str, str] | None = None, traceable: bool = False) -> BoundOps:
+    def bind(
+        self,
+        ctx: BindContext,
+        prefer: Mapping[str, str] | None = None,
+        traceable: bool = False,
+        *,
+        verify: bool = False,
+        check: CheckConfig | None = None,
+        device: torch.device | None = None,
+        strict: bool | None = None,
+    ) -> BoundOps:
         """Resolve every op once for ``ctx``.
 
         :param prefer: op name -> provider name that must serve it.
         :param traceable: bind each provider as a ``torch.library`` custom op, so that
             ``torch.compile(fullgraph=True)`` traces it as one node; eager callers leave it off.
+        :param verify: smoke-check candidates on their op's small samples (:func:`~vllm_port.ops.debug.smoke_check`),
+            best first, skipping those that fail, until one passes; a preferred provider that fails is an error.
+        :param check: debug mode's settings: bind :class:`~vllm_port.ops.debug.CheckedOp` wrappers (eager only).
+        :param device: where smoke checks run (default: the context's device type).
+        :param strict: refuse every fallback (``VLLM_PORT_STRICT`` when ``None``).
+        :raises StrictModeError: in strict mode, at the first fallback.
         """
         prefer = dict(prefer or {})
         unknown = set(prefer) - set(self.ops)
@@ -185,12 +230,88 @@ class OpRegistry:
             raise SelectionError(
                 f"provider preferences name unknown ops {sorted(unknown)}; ops: {', '.join(sorted(self.ops))}"
             )
-        chosen = {name: self.resolve(name, ctx, prefer.get(name)) for name in self.ops}
+        strict = strict_mode(strict)
+        device = device if device is not None else torch.device(ctx.device_type)
+        chosen: dict[str, Provider] = {}
+        candidates: dict[str, list[Provider]] = {}
+        skipped: dict[str, list[tuple[Provider, str]]] = {}
+        fallbacks: list[str] = []
+        for name, op in self.ops.items():
+            found = self._choose(op, ctx, prefer.get(name), verify, device, strict, skipped, fallbacks)
+            chosen[name], candidates[name] = found[0], found
         if traceable:
             from ._custom import as_custom_op
 
             chosen = {name: replace(p, fn=as_custom_op(self.ops[name], p)) for name, p in chosen.items()}
-        return BoundOps(ctx, chosen)
+        kernels = BoundOps(ctx, chosen, candidates=candidates, skipped=skipped, fallbacks=fallbacks)
+        if check is not None and not traceable:  # a compiled graph calls the custom ops, never these wrappers
+            from .debug import CheckedOp
+
+            for name, op in self.ops.items():
+                setattr(kernels, name, CheckedOp(op, kernels, candidates[name], check))
+        return kernels
+
+    def _choose(
+        self,
+        op: Op,
+        ctx: BindContext,
+        prefer: str | None,
+        verify: bool,
+        device: torch.device,
+        strict: bool,
+        skipped: dict[str, list[tuple[Provider, str]]],
+        fallbacks: list[str],
+    ) -> list[Provider]:
+        """The providers that may serve ``op`` in ``ctx``, the chosen one first; records what was passed over."""
+        from .debug import quarantined, smoke_check, who
+
+        if prefer is not None:
+            named = self.resolve(op.name, ctx, prefer)
+            problem = smoke_check(op, named, ctx.dtype, device) if verify else None
+            if problem:
+                raise ProviderError(
+                    f"op {op.name!r}: {who(named)}, named by the provider preferences, fails its smoke check {problem}; "
+                    f"name another provider of op {op.name!r}",
+                    op.name,
+                    named.name,
+                    named.plugin,
+                )
+            return [named]
+        supported: list[Provider] = []
+        for candidate in self.candidates(op.name, ctx.platform):
+            try:
+                reason = None if candidate.is_supported(ctx) else ""
+            except Exception as exc:  # a plugin's predicate must not take binding down
+                reason = f"its support predicate raised {type(exc).__name__}: {exc}"
+            if reason is None:  # smoke checks stop at the first that passes: the rest are only fallbacks
+                check_it = verify and not supported
+                reason = quarantined(candidate) or (check_it and smoke_check(op, candidate, ctx.dtype, device)) or None
+            if reason is None:
+                supported.append(candidate)
+            elif reason:
+                skipped.setdefault(op.name, []).append((candidate, reason))
+                fall_back(
+                    f"op {op.name!r} ({ctx.dtype} on {ctx.platform!r}): {who(candidate)} was skipped: {reason}",
+                    f"Fix the provider, or name another one for the op: VLLM_PORT_OP_PROVIDERS={op.name}=NAME",
+                    strict=strict,
+                    record=fallbacks,
+                )
+        if not supported:
+            raise ProviderError(
+                f"op {op.name!r}: no provider can serve {ctx.dtype} on {ctx.platform!r}: "
+                + "; ".join(f"{who(p)}: {why}" for p, why in skipped.get(op.name, [])),
+                op.name,
+            )
+        own = [p.name for p in self.candidates(op.name, ctx.platform) if p.name != REFERENCE]
+        if supported[0].name == REFERENCE and own and op.name not in skipped:
+            fall_back(
+                f"op {op.name!r}: the reference serves {ctx.dtype} on {ctx.platform!r}, though the platform has "
+                f"providers for it ({', '.join(own)}) that do not support this dtype or device",
+                f"To run on the reference on purpose, say so: VLLM_PORT_OP_PROVIDERS={op.name}=reference",
+                strict=strict,
+                record=fallbacks,
+            )
+        return supported
 
 
 def _check_signature(who: str, op: Op, fn: Callable[..., Any]) -> None:

@@ -25,15 +25,19 @@ import math
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float, check_same, check_writable
+from ._checks import (
+    check_float,
+    check_index,
+    check_int,
+    check_same,
+    check_values_in,
+    check_writable,
+    first_bad,
+    reads_values,
+)
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 
-
-def _check_int(op: str, arg: str, value: object, dims: int) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64) or value.dim() != dims:
-        got = f"{value.dtype} of {value.dim()} dims" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise OpInputError(f"{op}: {arg} must be an int32 or int64 tensor of {dims} dims, got {got}")
-    return value
+_CACHE_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_size")
 
 
 def check_cache(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -46,6 +50,12 @@ def check_cache(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor) -> 
             f"{op}: key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must both be "
             "[num_blocks, block_size, num_kv_heads, head_size]"
         )
+    if min(key_cache.shape) < 1:
+        empty = [name for name, size in zip(_CACHE_DIMS, key_cache.shape, strict=True) if size < 1]
+        raise OpInputError(
+            f"{op}: key_cache has shape {tuple(key_cache.shape)}, with {' and '.join(empty)} 0; every dimension of "
+            "[num_blocks, block_size, num_kv_heads, head_size] must be at least 1"
+        )
     return tuple(key_cache.shape)  # type: ignore[return-value]
 
 
@@ -54,19 +64,54 @@ def _check_heads(op: str, query: torch.Tensor, num_kv_heads: int, head_size: int
         raise OpInputError(
             f"{op}: query has shape {tuple(query.shape)}; it must be [tokens, num_heads, {head_size}] (head_size of the cache)"
         )
-    if query.shape[1] % num_kv_heads:
+    if query.shape[1] < 1 or query.shape[1] % num_kv_heads:
         raise OpInputError(
-            f"{op}: {query.shape[1]} query heads is not a multiple of the cache's {num_kv_heads} KV heads"
+            f"{op}: {query.shape[1]} query heads is not a multiple of the cache's {num_kv_heads} KV heads; "
+            "num_heads must be a positive multiple of num_kv_heads (GQA groups of equal size)"
         )
 
 
 def _check_scale_softcap_window(op: str, scale: float, sliding_window: int, soft_cap: float) -> None:
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise OpInputError(f"{op}: scale must be a positive finite float (usually head_size ** -0.5), got {scale!r}")
-    if not isinstance(sliding_window, int) or sliding_window < 0:
-        raise OpInputError(f"{op}: sliding_window must be an int >= 0 (0 = no window), got {sliding_window!r}")
-    if not isinstance(soft_cap, (int, float)) or not math.isfinite(soft_cap) or soft_cap < 0:
+    check_int(op, "sliding_window", sliding_window, 0, "0 = no window")
+    if (
+        isinstance(soft_cap, bool)
+        or not isinstance(soft_cap, (int, float))
+        or not math.isfinite(soft_cap)
+        or soft_cap < 0
+    ):
         raise OpInputError(f"{op}: soft_cap must be a finite float >= 0 (0 = no cap), got {soft_cap!r}")
+
+
+def _check_tables(
+    op: str, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Values: every length fits its block-table row, and every entry a sequence reads names a block of the caches.
+
+    Entries past a sequence's last block (and a padded sequence's whole row) are never read, so
+    they may hold anything: stale blocks of an earlier batch, -1.
+    """
+    width = block_tables.shape[1]
+    capacity = width * block_size
+    check_values_in(
+        op,
+        "seq_lens",
+        seq_lens,
+        0,
+        capacity + 1,
+        f"a sequence holds 0 (padding) to {capacity} tokens, the {width} columns of block_tables times the "
+        f"block_size {block_size}; widen block_tables or fix the length",
+    )
+    used = torch.arange(width, device=block_tables.device)[None, :] * block_size < seq_lens[:, None]
+    at = first_bad(used & ((block_tables < 0) | (block_tables >= num_blocks)))
+    if at is not None:
+        seq, column = at
+        raise OpInputError(
+            f"{op}: block_tables[{seq}, {column}] is {int(block_tables[at])}, outside the caches' blocks "
+            f"[0, {num_blocks}); sequence {seq} ({int(seq_lens[seq])} tokens) reads that entry, so it must name "
+            "one of the sequence's blocks in the cache"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,11 +132,35 @@ def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) ->
             f"{op}: key {tuple(key.shape)} and value {tuple(value.shape)} must both be [tokens, {kv_heads}, {head_size}] "
             "(the cache's KV heads and head size)"
         )
-    _check_int(op, "slot_mapping", slot_mapping, 1)
+    check_index(op, "slot_mapping", slot_mapping, 1, "key", key)
     if slot_mapping.shape[0] != key.shape[0]:
         raise OpInputError(f"{op}: slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
     check_writable(op, "key_cache", key_cache)
     check_writable(op, "value_cache", value_cache)
+    if reads_values(slot_mapping):
+        _check_slots(op, slot_mapping, key_cache.shape[0], key_cache.shape[1])
+
+
+def _check_slots(op: str, slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Values: each slot is -1 (a padded token) or a slot of the caches, and no two tokens share one."""
+    slots = num_blocks * block_size
+    check_values_in(
+        op,
+        "slot_mapping",
+        slot_mapping,
+        -1,
+        slots,
+        f"a slot is -1 (a padded token, not written) or block * block_size + offset within the caches' "
+        f"{num_blocks} blocks of {block_size}",
+    )
+    kept, order = slot_mapping.sort(stable=True)
+    at = first_bad((kept[1:] == kept[:-1]) & (kept[1:] >= 0))
+    if at is not None:
+        first, second = sorted((int(order[at[0]]), int(order[at[0] + 1])))
+        raise OpInputError(
+            f"{op}: tokens {first} and {second} both write slot {int(kept[at[0]])} (slot_mapping); which one the "
+            "cache keeps is undefined: give every token its own slot, or -1 for padding"
+        )
 
 
 def reshape_and_cache_reference(
@@ -182,14 +251,16 @@ def check_paged_attention(
     check_float(op, "query", query)
     check_same(op, "query", query, "key_cache", key_cache)
     _check_heads(op, query, kv_heads, head_size)
-    _check_int(op, "block_tables", block_tables, 2)
-    _check_int(op, "seq_lens", seq_lens, 1)
+    check_index(op, "block_tables", block_tables, 2, "query", query)
+    check_index(op, "seq_lens", seq_lens, 1, "query", query)
     if block_tables.shape[0] != query.shape[0] or seq_lens.shape[0] != query.shape[0]:
         raise OpInputError(
             f"{op}: {query.shape[0]} queries (one per sequence) but block_tables has {block_tables.shape[0]} rows "
             f"and seq_lens {seq_lens.shape[0]} entries"
         )
     _check_scale_softcap_window(op, scale, sliding_window, soft_cap)
+    if reads_values(block_tables, seq_lens):
+        _check_tables(op, block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
 
 
 def paged_attention_reference(
@@ -236,19 +307,54 @@ def check_prefill_attention(
     check_float(op, "query", query)
     check_same(op, "query", query, "key_cache", key_cache)
     _check_heads(op, query, kv_heads, head_size)
-    _check_int(op, "block_tables", block_tables, 2)
-    _check_int(op, "cu_seqlens_q", cu_seqlens_q, 1)
-    _check_int(op, "seq_lens", seq_lens, 1)
+    check_index(op, "block_tables", block_tables, 2, "query", query)
+    check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, "query", query)
+    check_index(op, "seq_lens", seq_lens, 1, "query", query)
     if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1 or block_tables.shape[0] != seq_lens.shape[0]:
         raise OpInputError(
             f"{op}: {seq_lens.shape[0]} sequences need cu_seqlens_q of {seq_lens.shape[0] + 1} entries and as many "
             f"block_tables rows; got {cu_seqlens_q.shape[0]} and {block_tables.shape[0]}"
         )
-    if not isinstance(max_query_len, int) or max_query_len < 1:
-        raise OpInputError(
-            f"{op}: max_query_len must be a positive int (the longest sequence's query tokens), got {max_query_len!r}"
-        )
+    check_int(op, "max_query_len", max_query_len, 1, "the longest sequence's query tokens")
     _check_scale_softcap_window(op, scale, sliding_window, soft_cap)
+    if reads_values(block_tables, cu_seqlens_q, seq_lens):
+        _check_tables(op, block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
+        _check_query_offsets(op, cu_seqlens_q, seq_lens, query.shape[0], max_query_len)
+
+
+def _check_query_offsets(
+    op: str, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, tokens: int, max_query_len: int
+) -> None:
+    """Values: ``cu_seqlens_q`` starts at 0, never decreases, ends at ``query``'s token count; each sequence's query
+    tokens fit ``max_query_len`` and, unless it is padding (``seq_lens`` 0), its cached tokens."""
+    starts = cu_seqlens_q.long()
+    if int(starts[0]) != 0:
+        raise OpInputError(f"{op}: cu_seqlens_q[0] is {int(starts[0])}; the first sequence's queries start at row 0")
+    q_lens = starts[1:] - starts[:-1]
+    at = first_bad(q_lens < 0)
+    if at is not None:
+        i = at[0]
+        raise OpInputError(
+            f"{op}: cu_seqlens_q decreases from {int(starts[i])} to {int(starts[i + 1])} (entries {i} and {i + 1}); "
+            "it holds the running total of the sequences' query tokens"
+        )
+    if int(starts[-1]) != tokens:
+        raise OpInputError(
+            f"{op}: cu_seqlens_q ends at {int(starts[-1])} but query holds {tokens} tokens; the offsets count "
+            "query rows, so the last one is query.shape[0] (padding rows belong to a sequence of seq_lens 0)"
+        )
+    at = first_bad(q_lens > max_query_len)
+    if at is not None:
+        raise OpInputError(
+            f"{op}: sequence {at[0]} has {int(q_lens[at])} query tokens but max_query_len is {max_query_len}; pass "
+            "the longest sequence's query length (kernels size their grids by it)"
+        )
+    at = first_bad((q_lens > seq_lens.long()) & (seq_lens > 0))
+    if at is not None:
+        raise OpInputError(
+            f"{op}: sequence {at[0]} has {int(q_lens[at])} query tokens but seq_lens {int(seq_lens[at])}; its "
+            "queries are the last of its cached tokens, so seq_lens counts them too (0 marks a padded sequence)"
+        )
 
 
 def prefill_attention_reference(
@@ -270,7 +376,7 @@ def prefill_attention_reference(
     ``seq_lens[i] - q_len + j`` and sees keys up to that position. A prefix already in the cache
     (prefix caching, chunked prefill) is simply ``seq_lens[i] > q_len``. ``max_query_len`` bounds
     every ``q_len`` (it sizes kernel grids without a device-to-host read). Output is ``query``'s shape;
-    ``query`` holds ``cu_seqlens_q[-1]`` tokens (not checked: that would read the device). A padded
+    ``query`` holds ``cu_seqlens_q[-1]`` tokens (checked under validation only: that reads the device). A padded
     sequence (``seq_lens[i] == 0``) may own query rows (padding tokens): they get zeros.
     """
     check_prefill_attention(
@@ -550,6 +656,61 @@ def _cache_errors(device: torch.device) -> list[ErrorInput]:
     ]
 
 
+def _cache_value_errors(device: torch.device) -> list[ErrorInput]:
+    kc = torch.randn(4, 16, 2, 64, device=device)  # 64 slots
+    k = torch.randn(3, 2, 64, device=device)
+
+    def slots(*values: int) -> torch.Tensor:
+        return torch.tensor(values, device=device)
+
+    return [
+        ErrorInput("slot past the cache", (k, k, kc, kc, slots(0, 64, 5)), "slot_mapping[1] is 64, outside [-1, 64)"),
+        ErrorInput("slot -2", (k, k, kc, kc, slots(-2, 1, 5)), "slot_mapping[0] is -2"),
+        ErrorInput("two tokens, one slot", (k, k, kc, kc, slots(7, -1, 7)), "tokens 0 and 2 both write slot 7"),
+    ]
+
+
+def _decode_value_errors(device: torch.device) -> list[ErrorInput]:
+    kc = torch.randn(4, 16, 2, 64, device=device)
+    q = torch.randn(2, 4, 64, device=device)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+
+    def lens(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    bad_block = tables.clone()
+    bad_block[1, 1] = 4
+    return [
+        ErrorInput("seq_lens past the block table", (q, kc, kc, tables, lens(3, 33), 0.1), "seq_lens[1] is 33"),
+        ErrorInput("negative seq_lens", (q, kc, kc, tables, lens(-1, 5), 0.1), "seq_lens[0] is -1"),
+        ErrorInput("block past the cache", (q, kc, kc, bad_block, lens(3, 17), 0.1), "block_tables[1, 1] is 4"),
+        ErrorInput("negative block", (q, kc, kc, -tables - 1, lens(3, 0), 0.1), "block_tables[0, 0] is -1"),
+    ]
+
+
+def _prefill_value_errors(device: torch.device) -> list[ErrorInput]:
+    kc = torch.randn(4, 16, 2, 64, device=device)
+    q = torch.randn(6, 4, 64, device=device)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+
+    def ints(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    cu, lens = ints(0, 2, 6), ints(2, 4)
+    bad_block = tables.clone()
+    bad_block[0, 0] = 9
+    return [
+        ErrorInput("seq_lens past the block table", (q, kc, kc, tables, cu, ints(2, 40), 4, 0.1), "seq_lens[1] is 40"),
+        ErrorInput("block past the cache", (q, kc, kc, bad_block, cu, lens, 4, 0.1), "block_tables[0, 0] is 9"),
+        ErrorInput("cu_seqlens_q not from 0", (q, kc, kc, tables, ints(1, 2, 6), lens, 4, 0.1), "cu_seqlens_q[0] is 1"),
+        ErrorInput("cu_seqlens_q decreasing", (q, kc, kc, tables, ints(0, 4, 2), ints(4, 4), 4, 0.1), "decreases"),
+        ErrorInput("cu_seqlens_q past query", (q, kc, kc, tables, ints(0, 2, 7), ints(2, 5), 5, 0.1), "ends at 7"),
+        ErrorInput("query rows past cu_seqlens_q", (q, kc, kc, tables, ints(0, 2, 5), ints(2, 3), 3, 0.1), "ends at 5"),
+        ErrorInput("query longer than max_query_len", (q, kc, kc, tables, cu, lens, 3, 0.1), "max_query_len is 3"),
+        ErrorInput("more queries than cached tokens", (q, kc, kc, tables, cu, ints(2, 3), 4, 0.1), "seq_lens 3"),
+    ]
+
+
 _ATTENTION_TOLERANCES = {
     torch.float32: Tolerance(1e-4, 1e-4, "online softmax rescales partial sums; summation order differs"),
     torch.bfloat16: Tolerance(1.5e-2, 2e-2, "probabilities are rounded to bfloat16 (8 bits) before the PV product"),
@@ -562,6 +723,7 @@ reshape_and_cache = Op(
     tolerances={dtype: Tolerance(0.0, 0.0, "a cache write copies values exactly") for dtype in _ATTENTION_TOLERANCES},
     samples=_cache_samples,
     errors=_cache_errors,
+    value_errors=_cache_value_errors,
     mutates=("key_cache", "value_cache"),
     fake=lambda key, value, key_cache, value_cache, slot_mapping: None,
 )
@@ -572,6 +734,7 @@ paged_attention = Op(
     tolerances=_ATTENTION_TOLERANCES,
     samples=_decode_samples,
     errors=_decode_errors,
+    value_errors=_decode_value_errors,
     fake=lambda query, *_args: query.new_empty(query.shape),
     invariant=_decode_padding_zero,
 )
@@ -582,6 +745,7 @@ prefill_attention = Op(
     tolerances=_ATTENTION_TOLERANCES,
     samples=_prefill_samples,
     errors=_prefill_errors,
+    value_errors=_prefill_value_errors,
     fake=lambda query, *_args: query.new_empty(query.shape),
     invariant=_prefill_padding_zero,
 )

@@ -6,20 +6,29 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import OpInputError
-from ._checks import check_float, check_same
+from ._checks import check_float, check_index, check_same, check_values_in, reads_values
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 
 
 def check_embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> None:
-    """Refuse arguments outside ``embedding``'s contract (ids are not range-checked: that would sync)."""
+    """Refuse arguments outside ``embedding``'s contract; ids are checked against the vocabulary under validation."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
-        raise OpInputError("embedding: input_ids must be an int32/int64 tensor of token ids")
+        got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise OpInputError(f"embedding: input_ids must be an int32/int64 tensor of token ids, got {got}")
     check_float("embedding", "weight", weight)
     if weight.dim() != 2:
         raise OpInputError(f"embedding: weight has shape {tuple(weight.shape)}; it must be [vocab_size, hidden_size]")
-    if input_ids.device != weight.device:
-        raise OpInputError(
-            f"embedding: input_ids is on {input_ids.device} but weight is on {weight.device}; move them to one device"
+    check_index("embedding", "input_ids", input_ids, None, "weight", weight)
+    if reads_values(input_ids):
+        vocab = weight.shape[0]
+        check_values_in(
+            "embedding",
+            "input_ids",
+            input_ids,
+            0,
+            vocab,
+            f"the vocabulary of weight has {vocab} rows; pass ids the model's tokenizer makes (or a weight with "
+            "every id's row)",
         )
 
 
@@ -110,6 +119,14 @@ def _embedding_errors(device: torch.device) -> list[ErrorInput]:
     ]
 
 
+def _embedding_value_errors(device: torch.device) -> list[ErrorInput]:
+    w = torch.randn(10, 4, device=device)
+    return [
+        ErrorInput("id equal to the vocabulary size", (torch.tensor([3, 10], device=device), w), "input_ids[1] is 10"),
+        ErrorInput("negative id", (torch.tensor([[0, -1]], dtype=torch.int32, device=device), w), "input_ids[0, 1]"),
+    ]
+
+
 def _linear_errors(device: torch.device) -> list[ErrorInput]:
     x, w = torch.randn(2, 8, device=device), torch.randn(4, 8, device=device)
     return [
@@ -128,6 +145,7 @@ embedding = Op(
     },
     samples=_embedding_samples,
     errors=_embedding_errors,
+    value_errors=_embedding_value_errors,
     fake=lambda input_ids, weight: weight.new_empty((*input_ids.shape, weight.shape[1])),
 )
 

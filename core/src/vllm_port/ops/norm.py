@@ -20,7 +20,7 @@ def _check_norm(op: str, x: torch.Tensor, weight: torch.Tensor, epsilon: float) 
             f"{op}: weight has shape {tuple(weight.shape)} but x has shape {tuple(x.shape)}; "
             "weight must be 1-D with x's last dimension"
         )
-    if not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
         raise OpInputError(f"{op}: epsilon must be a finite float >= 0, got {epsilon!r}")
 
 

@@ -5,29 +5,34 @@ from __future__ import annotations
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float, check_same, check_writable
+from ._checks import check_float, check_index, check_int, check_same, check_values_in, check_writable, reads_values
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 
 
 def check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox) -> None:
-    """Refuse arguments outside ``rotary_embedding``'s contract."""
+    """Refuse arguments outside ``rotary_embedding``'s contract; positions are checked against the cache under validation."""
     op = "rotary_embedding"
     if (
         not isinstance(positions, torch.Tensor)
         or positions.dtype not in (torch.int32, torch.int64)
         or positions.dim() != 1
     ):
-        raise OpInputError(f"{op}: positions must be a 1-D int32/int64 tensor of token positions")
+        got = (
+            f"{positions.dtype} of {positions.dim()} dims"
+            if isinstance(positions, torch.Tensor)
+            else type(positions).__name__
+        )
+        raise OpInputError(f"{op}: positions must be a 1-D int32/int64 tensor of token positions, got {got}")
     check_float(op, "query", query)
     check_float(op, "key", key)
     check_same(op, "key", key, "query", query)
+    check_index(op, "positions", positions, 1, "query", query)
     check_float(op, "cos_sin_cache", cos_sin_cache)
     if cos_sin_cache.device != query.device:
         raise OpInputError(
             f"{op}: cos_sin_cache is on {cos_sin_cache.device} but query is on {query.device}; move it to one device"
         )
-    if not isinstance(head_size, int) or head_size <= 0:
-        raise OpInputError(f"{op}: head_size must be a positive int, got {head_size!r}")
+    check_int(op, "head_size", head_size, 1, "features per head")
     for arg, t in (("query", query), ("key", key)):
         if (
             t.dim() not in (2, 3)
@@ -39,16 +44,28 @@ def check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_n
                 f"{op}: {arg} has shape {tuple(t.shape)}; it must be [tokens, heads * {head_size}] or "
                 f"[tokens, heads, {head_size}] with one row per position ({positions.shape[0]})"
             )
-    rot_dim = cos_sin_cache.shape[-1] if cos_sin_cache.dim() == 2 else -1
+    rot_dim = cos_sin_cache.shape[-1] if cos_sin_cache.dim() == 2 and cos_sin_cache.shape[0] > 0 else -1
     if rot_dim <= 0 or rot_dim % 2 or rot_dim > head_size:
         raise OpInputError(
             f"{op}: cos_sin_cache has shape {tuple(cos_sin_cache.shape)}; it must be [max_position, rotary_dim] "
-            f"with rotary_dim even and <= head_size {head_size} (cos in the first half, sin in the second)"
+            f"with max_position >= 1 and rotary_dim even and <= head_size {head_size} (cos in the first half, "
+            "sin in the second)"
         )
     if not isinstance(is_neox, bool):
         raise OpInputError(f"{op}: is_neox must be a bool (True: rotate halves, False: GPT-J interleaved pairs)")
     check_writable(op, "query", query)
     check_writable(op, "key", key)
+    if reads_values(positions):
+        max_position = cos_sin_cache.shape[0]
+        check_values_in(
+            op,
+            "positions",
+            positions,
+            0,
+            max_position,
+            f"cos_sin_cache holds {max_position} positions; build it for the model's longest context "
+            "(max_position_embeddings) or keep the sequence within it",
+        )
 
 
 def rotary_embedding_reference(
@@ -146,6 +163,17 @@ def _errors(device: torch.device) -> list[ErrorInput]:
     ]
 
 
+def _value_errors(device: torch.device) -> list[ErrorInput]:
+    q, k = torch.randn(2, 128, device=device), torch.randn(2, 64, device=device)
+    cache = make_cos_sin_cache(16, 64).to(device)
+    past = torch.tensor([3, 16], device=device)
+    negative = torch.tensor([-1, 0], dtype=torch.int32, device=device)
+    return [
+        ErrorInput("position past the cache", (past, q, k, 64, cache, True), "positions[1] is 16, outside [0, 16)"),
+        ErrorInput("negative position", (negative, q, k, 64, cache, True), "positions[0] is -1"),
+    ]
+
+
 rotary_embedding = Op(
     name="rotary_embedding",
     reference=rotary_embedding_reference,
@@ -156,6 +184,7 @@ rotary_embedding = Op(
     },
     samples=_samples,
     errors=_errors,
+    value_errors=_value_errors,
     mutates=("query", "key"),
     fake=lambda positions, query, key, head_size, cos_sin_cache, is_neox: None,
 )

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float
+from ._checks import check_float, first_bad, reads_values
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 
 __all__ = [
@@ -102,10 +102,12 @@ def gumbel_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def check_sample(logits, temperature, top_k, top_p, seeds) -> None:
-    """Refuse arguments outside ``sample``'s contract (values are not checked: that would sync)."""
+    """Refuse arguments outside ``sample``'s contract; parameter values and NaN logits are checked under validation."""
     check_float("sample", "logits", logits)
-    if logits.dim() != 2:
-        raise OpInputError(f"sample: logits has shape {tuple(logits.shape)}; it must be [num_seqs, vocab_size]")
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise OpInputError(
+            f"sample: logits has shape {tuple(logits.shape)}; it must be [num_seqs, vocab_size] with vocab_size >= 1"
+        )
     rows = logits.shape[0]
     for arg, t, kinds in (
         ("temperature", temperature, (torch.float32,)),
@@ -120,6 +122,30 @@ def check_sample(logits, temperature, top_k, top_p, seeds) -> None:
             raise OpInputError(
                 f"sample: {arg} is on {t.device} but logits is on {logits.device}; move them to one device"
             )
+    if reads_values(logits, temperature, top_p):
+        _check_sample_values(logits, temperature, top_p)
+
+
+def _check_sample_values(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Values: temperatures finite and >= 0, top_p in (0, 1], no NaN logit. Every top_k has a meaning (<= 0: all)."""
+    for arg, t, bad, rule in (
+        (
+            "temperature",
+            temperature,
+            ~(temperature.isfinite() & (temperature >= 0)),
+            "a finite number >= 0 (0 is greedy)",
+        ),
+        ("top_p", top_p, ~((top_p > 0) & (top_p <= 1)), "in (0, 1] (1 keeps every token)"),
+    ):
+        at = first_bad(bad)
+        if at is not None:
+            raise OpInputError(f"sample: {arg}[{at[0]}] is {float(t[at]):g}; it must be {rule}")
+    at = first_bad(logits.isnan())
+    if at is not None:
+        raise OpInputError(
+            f"sample: logits[{at[0]}, {at[1]}] is NaN; the model produced NaN for sequence {at[0]} (a broken kernel "
+            "or overflow upstream): no token can be drawn from it"
+        )
 
 
 def sample_reference(
@@ -130,7 +156,7 @@ def sample_reference(
     Per sequence: ``temperature == 0`` is greedy (argmax of the logits, lowest id on ties);
     otherwise logits are divided by the temperature (in float32), tokens outside the ``top_k``
     largest (``top_k <= 0``: all; ties at the k-th score keep the lowest ids) and outside the
-    smallest set whose probability reaches ``top_p`` (``top_p >= 1``: all; the most likely token is
+    smallest set whose probability reaches ``top_p`` (in (0, 1]; 1: all; the most likely token is
     always kept) are removed, and a token is drawn with :func:`gumbel_noise` from ``seeds``.
     """
     check_sample(logits, temperature, top_k, top_p, seeds)
@@ -492,6 +518,36 @@ def _errors(device: torch.device) -> list[ErrorInput]:
     ]
 
 
+def _value_errors(device: torch.device) -> list[ErrorInput]:
+    logits = torch.randn(2, 10, device=device)
+    t, k, p = (
+        torch.ones(2, device=device),
+        torch.zeros(2, dtype=torch.int32, device=device),
+        torch.ones(2, device=device),
+    )
+    seeds = torch.zeros(2, dtype=torch.int64, device=device)
+    nan_logits = logits.clone()
+    nan_logits[1, 4] = float("nan")
+    return [
+        ErrorInput(
+            "negative temperature", (logits, torch.tensor([1.0, -0.5], device=device), k, p, seeds), "temperature[1]"
+        ),
+        ErrorInput(
+            "NaN temperature",
+            (logits, torch.tensor([float("nan"), 1.0], device=device), k, p, seeds),
+            "temperature[0] is nan",
+        ),
+        ErrorInput(
+            "infinite temperature",
+            (logits, torch.tensor([float("inf"), 1.0], device=device), k, p, seeds),
+            "temperature[0] is inf",
+        ),
+        ErrorInput("top_p 0", (logits, t, k, torch.tensor([0.5, 0.0], device=device), seeds), "top_p[1] is 0"),
+        ErrorInput("top_p above 1", (logits, t, k, torch.tensor([1.5, 1.0], device=device), seeds), "top_p[0] is 1.5"),
+        ErrorInput("NaN logits", (nan_logits, t, k, p, seeds), "logits[1, 4] is NaN"),
+    ]
+
+
 sample = Op(
     name="sample",
     reference=sample_reference,
@@ -501,6 +557,7 @@ sample = Op(
     },
     samples=_samples,
     errors=_errors,
+    value_errors=_value_errors,
     fake=lambda logits, *_args: logits.new_empty((logits.shape[0],), dtype=torch.int64),
     checker=_check_sampler,
 )

@@ -2,11 +2,15 @@
 
 The package (``vllm-port-NAME``, import name ``vllm_port_NAME``) has the anatomy of the in-tree
 plugins, one short file each: ``platform`` (describe and probe), ``ops`` (a provider per contract op,
-delegating to the references), ``memory`` (core's default allocator), ``comm`` (torch.distributed on
-the platform's backend), the hook implementations in ``plugin``; a README, ``tests/`` that run the
-conformance suite, and a ``tox.ini`` with ``conformance``, ``tests``, ``lint`` and ``build``
-environments. On a device torch already knows (the host CPU by default) it installs, is discovered
-by ``vllm-port doctor`` and certifies before the vendor writes a line.
+delegating to the references), ``memory`` (core's host allocator on ``cpu``; on a GPU,
+:class:`~vllm_port.plugin_kit.DeviceAllocator`), ``comm`` (torch.distributed on the platform's
+backend), ``graph`` on a device type with graphs (:class:`~vllm_port.plugin_kit.StreamGraphCapture`,
+off until the vendor's decode kernels capture), and ``plugin``: the hooks every platform answers
+alike from :func:`~vllm_port.plugin_kit.platform_hooks`, the comm hooks by hand. So each file holds
+only what is the vendor's, as in the in-tree plugins. A README, ``tests/`` that run the conformance
+suite, and a ``tox.ini`` with ``conformance``, ``tests``, ``lint`` and ``build`` environments. On a
+device torch already knows (the host CPU by default) it installs, is discovered by
+``vllm-port doctor`` and certifies before the vendor writes a line.
 """
 
 from __future__ import annotations
@@ -24,11 +28,25 @@ from ..api import API_VERSION
 from ..errors import VllmPortError
 from . import _templates as t
 
-__all__ = ["DIST_BACKENDS", "Scaffold", "ScaffoldError", "check_device_type", "check_name", "main", "new_plugin"]
+__all__ = [
+    "DIST_BACKENDS",
+    "GRAPH_TYPES",
+    "Scaffold",
+    "ScaffoldError",
+    "check_device_type",
+    "check_name",
+    "main",
+    "new_plugin",
+]
 
 #: The torch.distributed backend of each device type torch knows; others start on gloo until the
 #: vendor names its own (comm.py says how).
 DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "hpu": "hccl", "mps": "gloo"}
+#: The graph class in torch's device module of each device type whose graphs the in-tree plugins
+#: capture (CUDA, and HIP through the ``torch.cuda`` of ROCm builds); a plugin on another starts without.
+GRAPH_TYPES = {"cuda": "CUDAGraph"}
+#: What :class:`vllm_port.plugin_kit.DeviceAllocator` calls on a torch device module.
+_CACHING_ALLOCATOR = ("mem_get_info", "memory_reserved", "memory_allocated", "empty_cache")
 _NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 _MAX_NAME = 32
 
@@ -97,24 +115,49 @@ def _core_range() -> str:
     return f">={major}.{minor},<{major}.{minor + 1}" if major == 0 else f">={major}.{minor},<{major + 1}"
 
 
-def _values(name: str, device_type: str) -> dict[str, str]:
+@dataclass(frozen=True)
+class _DeviceParts:
+    """Which of core's shared parts a device type's generated plugin uses (:mod:`vllm_port.plugin_kit`)."""
+
+    memory: str  # the memory.py template
+    context: bool  # torch.<device>.is_initialized() answers vllm_port_platform_context_created
+    graph_type: str | None  # the graph class StreamGraphCapture captures into, or None: no graph.py
+
+
+def _device_parts(device_type: str) -> _DeviceParts:
+    if device_type == "cpu":
+        return _DeviceParts(t.MEMORY_HOST, context=False, graph_type=None)
+    module = getattr(torch, device_type)
+    caching = all(hasattr(module, f) for f in _CACHING_ALLOCATOR)
+    graph_type = GRAPH_TYPES.get(device_type)
+    return _DeviceParts(
+        t.MEMORY_DEVICE if caching else t.MEMORY_CORE_DEFAULT,
+        context=hasattr(module, "is_initialized"),
+        graph_type=graph_type if graph_type is not None and hasattr(module, graph_type) else None,
+    )
+
+
+def _values(name: str, device_type: str, parts: _DeviceParts) -> dict[str, str]:
     api_major = int(API_VERSION.split(".")[0])
-    accelerator = device_type != "cpu"
+    module = f"vllm_port_{name}"
+    graphs = parts.graph_type is not None
     return {
         "name": name,
-        "module": f"vllm_port_{name}",
+        "module": module,
         "dist": f"vllm-port-{name.replace('_', '-')}",
         "device_type": device_type,
         "dist_backend": DIST_BACKENDS.get(device_type, "gloo"),
         "core_range": _core_range(),
         "api_range": f">={API_VERSION},<{api_major + 1}",  # the contract it is generated and certified with
         "torch": f"torch=={torch.__version__.split('+')[0]}",
-        "context_hook": t.CONTEXT_HOOK if accelerator else "",
-        "memory_default": (
-            "torch's caching allocator on torch's current accelerator"
-            if accelerator
-            else "pageable host memory, free and total from /proc/meminfo"
-        ),
+        "modules": "comm, graph, memory, ops, platform" if graphs else "comm, memory, ops, platform",
+        "graph_part": " and ``graph`` (graph capture)" if graphs else "",
+        "context_arg": t.CONTEXT_ARG if parts.context else "",
+        "graph_arg": t.GRAPH_ARG if graphs else "",
+        "graph_flag": t.GRAPH_FLAG if graphs else "",
+        "graph_capture": "GRAPH_CAPTURE" if graphs else "False",
+        "graph_type": parts.graph_type or "",
+        "graph_row": render(t.GRAPH_ROW, {"module": module}) if graphs else "",
     }
 
 
@@ -128,9 +171,10 @@ def render(template: str, values: dict[str, str]) -> str:
     return template
 
 
-def _files(values: dict[str, str], device_type: str) -> dict[str, str]:
+def _files(values: dict[str, str], device_type: str, parts: _DeviceParts) -> dict[str, str]:
     src = f"src/{values['module']}"
     platform = t.PLATFORM_CPU if device_type == "cpu" else t.PLATFORM_ACCELERATOR
+    graph = {f"{src}/graph.py": t.GRAPH} if parts.graph_type is not None else {}
     return {
         "pyproject.toml": t.PYPROJECT,
         "README.md": t.README,
@@ -140,8 +184,9 @@ def _files(values: dict[str, str], device_type: str) -> dict[str, str]:
         f"{src}/plugin.py": t.PLUGIN,
         f"{src}/platform.py": platform,
         f"{src}/ops.py": t.OPS,
-        f"{src}/memory.py": t.MEMORY,
+        f"{src}/memory.py": parts.memory,
         f"{src}/comm.py": t.COMM,
+        **graph,
         f"{src}/py.typed": "",
         "tests/test_conformance.py": t.TEST_CONFORMANCE,
     }
@@ -157,14 +202,15 @@ def new_plugin(name: str, path: str | Path | None = None, device_type: str = "cp
     """
     check_name(name)
     check_device_type(device_type)
-    values = _values(name, device_type)
+    parts = _device_parts(device_type)
+    values = _values(name, device_type, parts)
     root = Path(path) if path is not None else Path(values["dist"])
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ScaffoldError(
             f"{root} already exists and is not an empty folder; new-plugin never overwrites files: "
             "give another --path, or remove it"
         )
-    files = _files(values, device_type)
+    files = _files(values, device_type, parts)
     for relative, template in files.items():
         target = root / relative
         target.parent.mkdir(parents=True, exist_ok=True)

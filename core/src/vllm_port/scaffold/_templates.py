@@ -119,7 +119,7 @@ before you write a kernel. Then you make it yours, one file at a time:
 | `src/${module}/ops.py` | one provider per contract op | sink ops into your kernels, one at a time (`KERNELS`) |
 | `src/${module}/memory.py` | the device allocator | your driver's allocator |
 | `src/${module}/comm.py` | the distributed backend, point-to-point, collectives | your collective library |
-| `src/${module}/plugin.py` | the hook implementations that hand over to the files above | rarely |
+${graph_row}| `src/${module}/plugin.py` | the hooks: those every platform answers alike from `vllm_port.plugin_kit`, the rest by hand | a hook of your own (a compile pass) |
 
 ## Install and check
 
@@ -154,7 +154,7 @@ pass and how to read a failure: `docs/vendor-guide.md` in the vllm-port reposito
 """
 
 INIT = '''\
-"""vllm-port plugin for ${name}. The entry point is :mod:`${module}.plugin`."""
+"""vllm-port plugin for ${name}; its entry point is the ``plugin`` module."""
 
 from .platform import describe, probe
 
@@ -162,46 +162,33 @@ __all__ = ["describe", "probe"]
 '''
 
 PLUGIN = '''\
-"""The ${name} plugin's hook implementations: the entry point ``vllm_port: ${name}``.
+"""The ${name} plugin's hooks (entry point ``vllm_port: ${name}``).
 
-Each hook hands over to one short module: ``platform`` (what the hardware is), ``ops`` (kernels),
-``memory`` (the allocator), ``comm`` (point-to-point and collectives). The contracts are the hook
-specs in ``vllm_port.hookspecs``; the hooks for parts this plugin does not own return ``None``.
+The hooks every platform plugin answers alike come from ``vllm_port.plugin_kit.platform_hooks``,
+built from this package's parts: ``platform`` (what the hardware is), ``ops`` (the kernels),
+``memory`` (the allocator)${graph_part}.
+Written by hand below: the hooks special to this plugin, communication through ``comm``. The
+contracts are the hook specs in ``vllm_port.hookspecs``; a hook that serves one platform answers
+``None`` for any other.
 """
 
 from __future__ import annotations
 
-from vllm_port import PlatformDescription, ProbeResult, hookimpl
+from vllm_port import PlatformDescription, hookimpl
 from vllm_port.comm import Collectives, PointToPoint
-from vllm_port.memory import Allocator
-from vllm_port.ops import Provider
+from vllm_port.plugin_kit import platform_hooks
 
-from . import comm, memory, ops, platform
+from . import ${modules}
 
-
-@hookimpl
-def vllm_port_api_range() -> str:
-    return "${api_range}"
-
-
-@hookimpl
-def vllm_port_platform_describe() -> PlatformDescription:
-    return platform.describe()
-
-
-@hookimpl
-def vllm_port_platform_probe() -> ProbeResult:
-    return platform.probe()
-${context_hook}
-
-@hookimpl
-def vllm_port_providers() -> list[Provider]:
-    return ops.providers()
-
-
-@hookimpl
-def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
-    return memory.allocator(platform) if platform.name == "${name}" else None
+globals().update(
+    platform_hooks(
+        api_range="${api_range}",
+        describe=platform.describe,
+        probe=platform.probe,${context_arg}
+        providers=ops.providers,
+        allocator=memory.allocator,${graph_arg}
+    )
+)
 
 
 @hookimpl
@@ -214,15 +201,16 @@ def vllm_port_collectives(platform: PlatformDescription) -> Collectives | None:
     return comm.collectives() if platform.name == "${name}" else None
 '''
 
-CONTEXT_HOOK = """
+#: the ``platform_hooks`` argument of a device type whose torch module tells whether a context exists
+CONTEXT_ARG = """
+        torch_device=platform.DEVICE_TYPE,  # its is_initialized(): did this process make a device context"""
 
-@hookimpl
-def vllm_port_platform_context_created() -> bool:
-    return platform.context_created()
-"""
+#: the ``platform_hooks`` argument of a device type with graphs
+GRAPH_ARG = """
+        graph_capture=graph.capture,"""
 
 PLATFORM_CPU = '''\
-"""The ${name} platform: what it is (``describe``, from constants) and whether it is here (``probe``).
+"""The ${name} platform: what it is (``describe``) and whether it is here (``probe``).
 
 Generated on the host CPU, a device torch already knows, so the plugin certifies before any kernel of
 yours exists. For your hardware: set ``DEVICE_TYPE`` to the torch device type your tensors live on,
@@ -270,7 +258,7 @@ def probe() -> ProbeResult:
 '''
 
 PLATFORM_ACCELERATOR = '''\
-"""The ${name} platform: what it is (``describe``, from constants) and whether it is here (``probe``).
+"""The ${name} platform: what it is (``describe``) and whether it is here (``probe``).
 
 Generated for ``${device_type}`` devices through torch's own ``torch.${device_type}`` module, so the plugin
 certifies on such a machine before any kernel of yours exists. Make ``probe`` ask your driver:
@@ -289,7 +277,7 @@ NAME = "${name}"
 DEVICE_TYPE = "${device_type}"
 #: above the in-tree GPU plugins (90-100): where both are available, this one is selected
 PRIORITY = 110
-
+${graph_flag}
 
 def describe() -> PlatformDescription:
     """The platform's static facts; never touches the hardware."""
@@ -298,7 +286,7 @@ def describe() -> PlatformDescription:
         device_type=DEVICE_TYPE,
         priority=PRIORITY,
         dist_backend=DIST_BACKEND,
-        graph_capture=False,
+        graph_capture=${graph_capture},
         compile_backend="inductor",
         memory_tiers=("device", "pinned_host"),  # pinned host memory: the swap tier core serves
     )
@@ -313,13 +301,14 @@ def probe() -> ProbeResult:
     count = backend.device_count()
     devices = tuple(DeviceInfo(f"{DEVICE_TYPE} device {i}") for i in range(count))
     return ProbeResult(True, f"{count} {DEVICE_TYPE} device(s) visible to {build}", devices, {})
-
-
-def context_created() -> bool:
-    """Whether this process made a device context (conformance checks that the probe did not)."""
-    backend = getattr(torch, DEVICE_TYPE, None)
-    return bool(backend is not None and hasattr(backend, "is_initialized") and backend.is_initialized())
 '''
+
+#: the switch of a platform with graphs (graph.py), in platform.py
+GRAPH_FLAG = """#: Capture decode steps as graphs (graph.py), each replayed with one launch. Off until your decode
+#: kernels, attention first, run without reading device values on the host, as a capture requires:
+#: the reference attention reads the longest sequence's length.
+GRAPH_CAPTURE = False
+"""
 
 OPS = '''\
 """The ${name} plugin's providers of the contract ops (``vllm_port.ops.ALL_OPS``).
@@ -338,7 +327,8 @@ from vllm_port.ops import ALL_OPS, Op, Provider
 #: above the op references (the lowest priority); binding prefers the highest supported provider
 PRIORITY = 10
 
-#: Your hand-written providers, e.g. ``@provider("rms_norm", name="${name}_rms_norm", priority=PRIORITY)``.
+#: Your hand-written providers (docs/vendor-guide.md shows one), e.g.
+#: ``@provider("rms_norm", name="${name}_rms_norm", priority=PRIORITY)``.
 KERNELS: list[Provider] = []
 
 
@@ -353,32 +343,103 @@ def providers() -> list[Provider]:
     return [*KERNELS, *(_delegate(op) for op in ALL_OPS if op.name not in sunk)]
 '''
 
-MEMORY = '''\
-"""The ${name} platform's device memory.
+MEMORY_HOST = '''\
+"""The ${name} platform's device memory: pageable host memory, free and total from /proc/meminfo.
 
-Core's default allocator serves it for now:
-${memory_default}.
-For your device, subclass ``vllm_port.memory.Allocator`` and fill in its primitives (``_alloc``,
-``_mem_info``, ``_empty_cache``); the base class does the checking and the accounting.
+Core's host allocator serves it. For your device, subclass ``vllm_port.memory.Allocator`` and fill
+in its primitives (``_alloc``, ``_mem_info``, ``_empty_cache``); the base class does the checking
+and the accounting.
 """
 
 from __future__ import annotations
 
-from vllm_port import PlatformDescription
+from vllm_port.memory import Allocator, HostMemoryAllocator
+
+from .platform import NAME
+
+
+def allocator() -> Allocator:
+    """The allocator of the platform's device tier."""
+    return HostMemoryAllocator(pinned=False, name=f"{NAME} host allocator")
+'''
+
+MEMORY_DEVICE = '''\
+"""The ${name} platform's device memory: torch's caching allocator of ``torch.${device_type}``.
+
+Flat byte buffers (``vllm_port.plugin_kit.DeviceAllocator``); free and total come from the driver,
+counting what torch's cache holds unused as free. For your own driver, subclass
+``vllm_port.memory.Allocator`` and fill in its primitives (``_alloc``, ``_mem_info``,
+``_empty_cache``); the base class does the checking and the accounting.
+"""
+
+from __future__ import annotations
+
+from vllm_port.memory import Allocator
+from vllm_port.plugin_kit import DeviceAllocator
+
+from .platform import DEVICE_TYPE, NAME
+
+
+def allocator() -> Allocator:
+    """The allocator of the platform's device tier (core serves the pinned host tier)."""
+    return DeviceAllocator(f"{NAME} allocator", DEVICE_TYPE)
+'''
+
+#: for a device type whose torch module has no caching-allocator API (``mem_get_info``...)
+MEMORY_CORE_DEFAULT = '''\
+"""The ${name} platform's device memory: core's default allocator.
+
+That is torch's caching allocator on torch's current accelerator (``torch.${device_type}`` lacks the
+memory queries of ``vllm_port.plugin_kit.DeviceAllocator``). For your own driver, subclass
+``vllm_port.memory.Allocator`` and fill in its primitives (``_alloc``, ``_mem_info``,
+``_empty_cache``); the base class does the checking and the accounting.
+"""
+
+from __future__ import annotations
+
 from vllm_port.memory import Allocator, default_allocator
 
+from .platform import DEVICE_TYPE
 
-def allocator(platform: PlatformDescription) -> Allocator | None:
-    """The allocator of the platform's device tier (core serves pinned and pageable host memory)."""
-    return default_allocator(platform.device_type)
+
+def allocator() -> Allocator | None:
+    """The allocator of the platform's device tier (core serves the pinned host tier)."""
+    return default_allocator(DEVICE_TYPE)
+'''
+
+#: the README's row for graph.py
+GRAPH_ROW = (
+    "| `src/${module}/graph.py` | graph capture (off: `GRAPH_CAPTURE` in platform.py) "
+    "| turn it on once your decode kernels capture |\n"
+)
+
+GRAPH = '''\
+"""${name} graphs: capture a decode step once, replay it with one launch.
+
+Off until ``GRAPH_CAPTURE`` in platform.py turns it on. Through the graph API of
+``torch.${device_type}``, by ``vllm_port.plugin_kit.StreamGraphCapture``: warm-up runs on a side
+stream, then one captured run. For your driver's graphs, subclass ``vllm_port.graph.GraphCapture``.
+"""
+
+from __future__ import annotations
+
+from vllm_port.plugin_kit import StreamGraphCapture
+
+from .platform import DEVICE_TYPE, NAME
+
+
+def capture() -> StreamGraphCapture:
+    """The platform's graph capture; every graph it captures shares one memory pool."""
+    return StreamGraphCapture(f"{NAME} graphs", torch_device=DEVICE_TYPE, graph_type="${graph_type}")
 '''
 
 COMM = '''\
-"""Communication between ${name} devices: point-to-point and collectives, each replaceable alone.
+"""Communication between ${name} devices: point-to-point and collectives.
 
-Both run on ``torch.distributed`` with ``DIST_BACKEND`` (core's implementations, which check every
-call). To use your own collective library, return a ``vllm_port.comm.PointToPoint`` or
-``Collectives`` of yours here, or register your backend with ``torch.distributed`` and name it.
+Each is replaceable alone; both run on ``torch.distributed`` with ``DIST_BACKEND`` (core's
+implementations, which check every call). To use your own collective library, return a
+``vllm_port.comm.PointToPoint`` or ``Collectives`` of yours here, or register your backend with
+``torch.distributed`` and name it.
 """
 
 from __future__ import annotations
@@ -400,7 +461,7 @@ def collectives() -> Collectives:
 '''
 
 TEST_CONFORMANCE = '''\
-"""The vllm-port conformance suite on this plugin: the same run as ``vllm-port certify ${name}``."""
+"""The conformance suite on this plugin: the run of ``vllm-port certify ${name}``."""
 
 from __future__ import annotations
 

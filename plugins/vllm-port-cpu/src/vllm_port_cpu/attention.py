@@ -93,7 +93,8 @@ def _gather_kv(
     for cache in (key_cache, value_cache):
         # contiguous and fresh either way (index_select's output, or its widened copy): safe to fill in place
         gathered = cache.index_select(0, table).to(compute)
-        gathered.view(num_seqs * length, -1).index_fill_(0, invalid, 0.0)
+        # one row per position, sized explicitly: -1 is ambiguous when nothing was gathered (a block table of no column)
+        gathered.view(num_seqs * length, cache.shape[2] * cache.shape[3]).index_fill_(0, invalid, 0.0)
         out.append(gathered.view(num_seqs, length, *cache.shape[2:]).transpose(1, 2))
     return out[0], out[1]
 

@@ -65,6 +65,7 @@ _ERRORS = {
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _loaded = False
+_float16 = False  # the loaded build converts float16
 
 
 def _disabled() -> bool:
@@ -92,7 +93,8 @@ def _cpu_flags() -> str:
 def _library_path(compiler: str) -> Path:
     """Where the library built by ``compiler`` for this source and CPU lives: the name is a hash of all three."""
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        # the compiler found on PATH, with fixed arguments
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout  # noqa: S603
     except (OSError, subprocess.SubprocessError):
         version = ""
     key = hashlib.sha256()
@@ -115,9 +117,10 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)  # noqa: S603 - as above
         if done.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` exited with {done.returncode}: {done.stderr.strip()[-800:]}")
+            error = done.stderr.strip()[-800:] or "(no message)"
+            raise RuntimeError(f"{compiler} exited with {done.returncode}: {error} (command: {' '.join(cmd)})")
         os.replace(tmp, target)  # atomic: a concurrent build of the same source renames an equal file
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         with contextlib.suppress(OSError):
@@ -148,19 +151,22 @@ def check() -> tuple[bool, str]:
     compiler = _compiler()
     if compiler is None:
         return False, f"off: no C compiler ({' or '.join(COMPILERS)}) on PATH; the torch kernels serve attention"
-    path = _library_path(compiler)
-    if path.exists():
-        return True, f"built ({path})"
-    failed = _failure_log(path)
-    if failed.exists():
-        error = failed.read_text(encoding="utf-8", errors="replace").strip()
-        return False, f"off: the last build failed (retried at first use; {failed}): {error[:300]}"
+    try:  # the probe calls this: it must answer, never raise
+        path = _library_path(compiler)
+        if path.exists():
+            return True, f"built ({path})"
+        failed = _failure_log(path)
+        if failed.exists():
+            error = failed.read_text(encoding="utf-8", errors="replace").strip()
+            return False, f"off: the last build failed (retried at first use; {failed}): {error[:300]}"
+    except OSError as exc:
+        return False, f"off: {exc}"
     return True, f"not built yet (builds with {compiler} at first use)"
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built first if needed; ``None`` when off or unbuildable (see :data:`status`)."""
-    global _library, _loaded, status
+    global _library, _loaded, _float16, status
     if _loaded or _disabled():
         return None if _disabled() else _library
     with _lock:
@@ -176,6 +182,7 @@ def library() -> ctypes.CDLL | None:
                     _build(compiler, path)
                 lib = ctypes.CDLL(str(path))
                 _declare(lib)
+                _float16 = bool(lib.vp_has_float16())
                 _library, status = lib, f"on ({path})"
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 status = f"off: the build or load failed; the torch kernels serve attention: {exc}"
@@ -188,16 +195,19 @@ def available(ctx: BindContext | None = None) -> bool:
     lib = library()
     if lib is None:
         return False
-    return ctx is None or ctx.dtype != torch.float16 or bool(lib.vp_has_float16())
+    return ctx is None or ctx.dtype != torch.float16 or _float16
 
 
 def _covered(lib: ctypes.CDLL | None, query: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether the kernel handles these tensors: CPU, a dtype it was built for, last dimension contiguous."""
-    if lib is None or query.dtype not in _DTYPE_CODES or query.device.type != "cpu":
+    if lib is None or not query.is_cpu or query.dtype not in _DTYPE_CODES:
         return False
-    if query.dtype == torch.float16 and not lib.vp_has_float16():
+    if query.dtype == torch.float16 and not _float16:
         return False
-    return all(t.device.type == "cpu" and (t.shape[-1] <= 1 or t.stride(-1) == 1) for t in (query, *tensors))
+    for t in (query, *tensors):  # a plain loop: this runs on every call
+        if not t.is_cpu or (t.stride(-1) != 1 and t.shape[-1] > 1):
+            return False
+    return True
 
 
 def _cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor) -> list:

@@ -118,7 +118,8 @@ def rotary_embedding(
     cos_sin = cos_sin_cache.index_select(0, positions).to(compute)  # [tokens, rot]
     cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
     for t in (query, key):  # two tensors, not a loop over tokens
-        heads = t.view(t.shape[0], -1, head_size)  # splits the last dimension: a view for any row stride
+        # splits the last dimension: a view for any row stride (heads named, not -1: a batch may have 0 tokens)
+        heads = t.view(t.shape[0], t.shape[-1] // head_size if t.dim() == 2 else t.shape[1], head_size)
         # the two members of every rotated pair, as views into t: NeoX halves or GPT-J even/odd features
         x1, x2 = (heads[..., :half], heads[..., half:rot]) if is_neox else (heads[..., 0:rot:2], heads[..., 1:rot:2])
         a, b = x1.to(compute), x2.to(compute)  # for float32 these alias t: compute both outputs first
@@ -131,13 +132,14 @@ def rotary_embedding(
 @provider("silu_and_mul", name="cpu_silu_and_mul", priority=10)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = check_gated("silu_and_mul", x)
-    return F.silu(x[..., :d]).mul_(x[..., d:])
+    # torch keeps a dense input's memory order: contiguous (a no-op but for such an input), as the contract returns
+    return F.silu(x[..., :d]).mul_(x[..., d:]).contiguous()
 
 
 @provider("gelu_and_mul", name="cpu_gelu_and_mul", priority=10)
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     d = check_gelu_and_mul(x, approximate)
-    return F.gelu(x[..., :d], approximate=approximate).mul_(x[..., d:])
+    return F.gelu(x[..., :d], approximate=approximate).mul_(x[..., d:]).contiguous()  # as silu_and_mul
 
 
 #: Every provider of the CPU plugin, in the order of ``vllm_port.ops.ALL_OPS``: one per contract op, and

@@ -456,7 +456,8 @@ def _tiles(target: TritonTarget, head_pad: int, elem_size: int) -> tuple[int, in
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """The kernels step along the head dimension by 1; copy the rare tensor that does not (a metadata check, no sync)."""
+    """The kernels step along the last dimension by 1 (head features, block-table columns, 1-D metadata); copy the
+    rare tensor that does not (a metadata check, no sync; a no-op for what engines pass)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -500,6 +501,7 @@ class AttentionKernels:
     ):
         """Launch decode with ``num_splits`` key splits (None: by :func:`_decode_splits`; 1: no merge kernel)."""
         query, key_cache, value_cache = _unit_stride(query), _unit_stride(key_cache), _unit_stride(value_cache)
+        block_tables, seq_lens = _unit_stride(block_tables), _unit_stride(seq_lens)  # read at +1 per entry
         num_seqs, num_heads, head_size = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -567,6 +569,12 @@ class AttentionKernels:
         args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale)
         check_prefill_attention(*args, sliding_window, soft_cap)
         query, key_cache, value_cache = _unit_stride(query), _unit_stride(key_cache), _unit_stride(value_cache)
+        # the kernel reads these at +1 per entry: a strided view (found by fuzzing) read other memory
+        block_tables, cu_seqlens_q, seq_lens = (
+            _unit_stride(block_tables),
+            _unit_stride(cu_seqlens_q),
+            _unit_stride(seq_lens),
+        )
         num_tokens, num_heads, head_size = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
         num_seqs = seq_lens.shape[0]

@@ -205,6 +205,8 @@ class SamplingKernels:
             return out.zero_()
         if logits.stride(1) != 1:
             logits = logits.contiguous()
+        # the kernel reads one entry per row at +1: a strided view (found by fuzzing) drew from other memory's seeds
+        temperature, seeds = temperature.contiguous(), seeds.contiguous()
         keep_score, keep_id = _kept_threshold(logits, temperature, top_k, top_p)
         block = self.target.elementwise_block
         rows_per_program = max(1, block // triton.next_power_of_2(max(vocab, 16)))  # tiny vocabularies share a program

@@ -8,15 +8,19 @@
  * sequence in block block_tables[seq, t / block_size] at offset t % block_size, query head h reads
  * KV head h / (num_heads / kv_heads).
  *
- * One work item is (sequence, KV head, tile of query tokens): it handles every query head of the
- * KV head's group, so each K/V row is read and widened to float32 once for all of them. Keys are
- * visited in chunks with an online softmax in float32: scores of a chunk for all query rows, the
- * chunk's maximum, one rescale of the partial sums, then the probability-weighted V rows. Only the
- * slots a query may see are read: a padded sequence (seq_len 0) reads nothing, not even its
- * block-table row, and its rows are written as exact zeros.
+ * One work item (an OpenMP iteration) is (sequence, KV head) at decode and (sequence, KV head, tile
+ * of 16 query tokens) at prefill: it handles every query head of the KV head's group, so each K/V
+ * row is read and widened to float32 once for all of them, with software prefetch ahead of the
+ * scattered rows. Keys are visited in chunks of 64 with an online softmax in float32: scores of a
+ * chunk for all query rows, the chunk's maximum, one rescale of the partial sums, then the
+ * probability-weighted V rows. Decode's few rows take one dot product per (row, key); a prefill
+ * tile lays its rows across vector lanes (the query transposed), so scores need no horizontal sums.
+ * Only the slots a query may see are read: a padded sequence (seq_len 0) reads nothing, not even
+ * its block-table row, and its rows are written as exact zeros.
  *
- * The inner loops run over head_size with plain C and `omp simd`, which gcc vectorises for the
- * target (AVX-512 with -march=native); exp is a polynomial the compiler can vectorise too.
+ * Portable C with `omp simd` loops gcc vectorises for the target (-march=native), and AVX-512
+ * intrinsics for the hot loops where the compiler's own code is slow (register-blocked products,
+ * tree reductions, float16 conversions), each with the portable loop beside it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -72,6 +76,13 @@ static inline __attribute__((always_inline)) const float *widen(const void *src,
         }
         return buf;
     }
+#ifdef __AVX512F__
+    if ((n & 15) == 0) { /* gcc 12 does not vectorise _Float16 conversions; vcvtph2ps does 16 at once */
+        for (int64_t i = 0; i < n; i += 16)
+            _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i))));
+        return buf;
+    }
+#endif
 #if HAVE_F16
     const f16_t *s = (const f16_t *)src;
 #pragma omp simd
@@ -98,6 +109,16 @@ static inline __attribute__((always_inline)) void narrow(void *dst, const float 
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i] * mul);
     } else {
+#ifdef __AVX512F__
+        if ((n & 15) == 0) {
+            const __m512 scale = _mm512_set1_ps(mul);
+            for (int64_t i = 0; i < n; i += 16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
+                                    _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(src + i), scale),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            return;
+        }
+#endif
 #if HAVE_F16
         f16_t *d = (f16_t *)dst;
 #pragma omp simd
@@ -179,13 +200,15 @@ typedef struct {
     int64_t sliding_window;
 } cache_t;
 
-typedef struct { /* per-thread scratch, sized for the largest tile */
-    float *q, *acc, *scores, *m, *l, *keys, *values;
+typedef struct { /* per-thread scratch, sized for the largest tile (rows padded to a multiple of 16) */
+    float *q, *acc, *scores, *m, *l, *chunk_max, *sums, *keys, *values;
+    int32_t *positions;
     const float **key_rows, **value_rows;
 } scratch_t;
 
 static int scratch_alloc(scratch_t *s, int64_t max_rows, int64_t head_size) {
-    size_t floats = (size_t)max_rows * (2 * head_size + KEY_CHUNK + 2) + 2 * (size_t)KEY_CHUNK * head_size;
+    max_rows = (max_rows + 15) & ~(int64_t)15;
+    size_t floats = (size_t)max_rows * (2 * head_size + KEY_CHUNK + 5) + 2 * (size_t)KEY_CHUNK * head_size;
     float *all = (float *)malloc(floats * sizeof(float) + 2 * KEY_CHUNK * sizeof(float *));
     if (!all) return 0;
     s->q = all;
@@ -193,7 +216,10 @@ static int scratch_alloc(scratch_t *s, int64_t max_rows, int64_t head_size) {
     s->scores = s->acc + max_rows * head_size;
     s->m = s->scores + max_rows * KEY_CHUNK;
     s->l = s->m + max_rows;
-    s->keys = s->l + max_rows;
+    s->chunk_max = s->l + max_rows;
+    s->sums = s->chunk_max + max_rows;
+    s->positions = (int32_t *)(s->sums + max_rows);
+    s->keys = (float *)(s->positions + max_rows);
     s->values = s->keys + KEY_CHUNK * head_size;
     s->key_rows = (const float **)(s->values + KEY_CHUNK * head_size);
     s->value_rows = s->key_rows + KEY_CHUNK;
@@ -213,6 +239,10 @@ typedef struct {
 } cursor_t;
 
 static inline void cursor_block(const cache_t *c, int64_t seq, int64_t kv_head, int64_t elem, cursor_t *at) {
+    if (at->index >= c->table_width) { /* the prefetch cursor one past a full row: read nothing there */
+        at->valid = 0;
+        return;
+    }
     int64_t block = table_entry(c, seq, at->index);
     at->valid = block >= 0 && block < c->num_blocks;
     at->key = (const char *)c->key_cache +
@@ -246,40 +276,237 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
 }
 
-/* acc[0:d] += sum over t < n of p[t] * v[t][0:d]. With AVX-512, the partial sums of 64 columns stay
- * in registers across the rows instead of a load and a store of acc per row. */
-static inline void weighted_sum(float *acc, const float *p, const float *const *v, int64_t n, int64_t d) {
+/*
+ * For ROWS rows j: acc[j * d + i] += sum over t < n of p[t * pt + j * pr] * v[t][i]. With AVX-512 the
+ * partial sums of a 64-column slab of every row stay in registers across the keys, and each V load
+ * serves all the rows (the query heads of a group share their keys).
+ */
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void weighted_slab(float *acc, const float *p, int64_t pt, int64_t pr,
+                                                                const float *const *v, int64_t n, int64_t d,
+                                                                int64_t i, const int ROWS, const int COLS) {
+    __m512 a[4][4];
+    for (int j = 0; j < ROWS; j++)
+        for (int k = 0; k < COLS; k++) a[j][k] = _mm512_loadu_ps(acc + j * d + i + 16 * k);
+    for (int64_t t = 0; t < n; t++) {
+        __m512 vt[4];
+        for (int k = 0; k < COLS; k++) vt[k] = _mm512_loadu_ps(v[t] + i + 16 * k);
+        for (int j = 0; j < ROWS; j++) {
+            const __m512 pj = _mm512_set1_ps(p[t * pt + j * pr]);
+            for (int k = 0; k < COLS; k++) a[j][k] = _mm512_fmadd_ps(pj, vt[k], a[j][k]);
+        }
+    }
+    for (int j = 0; j < ROWS; j++)
+        for (int k = 0; k < COLS; k++) _mm512_storeu_ps(acc + j * d + i + 16 * k, a[j][k]);
+}
+#endif
+
+static inline __attribute__((always_inline)) void weighted_block(float *acc, const float *p, int64_t pt, int64_t pr,
+                                                                 const float *const *v, int64_t n, int64_t d,
+                                                                 const int ROWS) {
 #ifdef __AVX512F__
     if ((d & 15) == 0) {
         int64_t i = 0;
-        for (; i + 64 <= d; i += 64) {
-            __m512 a0 = _mm512_loadu_ps(acc + i), a1 = _mm512_loadu_ps(acc + i + 16);
-            __m512 a2 = _mm512_loadu_ps(acc + i + 32), a3 = _mm512_loadu_ps(acc + i + 48);
-            for (int64_t t = 0; t < n; t++) {
-                __m512 pt = _mm512_set1_ps(p[t]);
-                const float *vt = v[t] + i;
-                a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt), a0);
-                a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16), a1);
-                a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 32), a2);
-                a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 48), a3);
-            }
-            _mm512_storeu_ps(acc + i, a0);
-            _mm512_storeu_ps(acc + i + 16, a1);
-            _mm512_storeu_ps(acc + i + 32, a2);
-            _mm512_storeu_ps(acc + i + 48, a3);
-        }
-        for (; i < d; i += 16) {
-            __m512 a = _mm512_loadu_ps(acc + i);
-            for (int64_t t = 0; t < n; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v[t] + i), a);
-            _mm512_storeu_ps(acc + i, a);
-        }
+        for (; i + 64 <= d; i += 64) weighted_slab(acc, p, pt, pr, v, n, d, i, ROWS, 4);
+        for (; i < d; i += 16) weighted_slab(acc, p, pt, pr, v, n, d, i, ROWS, 1);
         return;
     }
 #endif
-    for (int64_t t = 0; t < n; t++) {
-        const float pt = p[t], *vt = v[t];
+    for (int j = 0; j < ROWS; j++)
+        for (int64_t t = 0; t < n; t++) {
+            const float pj = p[t * pt + j * pr], *vt = v[t];
+            float *aj = acc + j * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) acc[i] += pt * vt[i];
+            for (int64_t i = 0; i < d; i++) aj[i] += pj * vt[i];
+        }
+}
+
+/* weighted_block over any number of rows that see the same keys, four at a time. */
+static void weighted_rows(float *acc, const float *p, int64_t pt, int64_t pr, const float *const *v, int64_t n,
+                          int64_t d, int64_t rows) {
+    int64_t j = 0;
+    for (; j + 4 <= rows; j += 4) weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 4);
+    if (j + 2 <= rows) {
+        weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 2);
+        j += 2;
+    }
+    if (j < rows) weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 1);
+}
+
+/* The keys of a chunk starting at position c0 (n of them) that the query at qpos sees: [*lo, *hi). */
+static inline void visible_range(int64_t qpos, int64_t window, int64_t c0, int64_t n, int64_t *lo, int64_t *hi) {
+    int64_t a = window > 0 ? qpos - window + 1 - c0 : 0, b = qpos + 1 - c0;
+    *lo = a < 0 ? 0 : a;
+    *hi = b > n ? n : b;
+}
+
+/*
+ * Scores of one chunk for rows stored one after another (decode: the group's heads of one query):
+ * a dot product per (row, key), then the online-softmax update and the weighted V rows per row.
+ */
+static void chunk_by_rows(const cache_t *c, const scratch_t *s, int64_t tokens, int64_t first_pos, int64_t c0,
+                          int64_t n) {
+    const int64_t d = c->head_size, group = c->group;
+    for (int64_t qi = 0; qi < tokens; qi++) {
+        int64_t lo, hi;
+        visible_range(first_pos + qi, c->sliding_window, c0, n, &lo, &hi);
+        if (lo >= hi) continue;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = qi * group + g;
+            float *sc = s->scores + r * KEY_CHUNK, chunk_max = -INFINITY;
+            const float *q = s->q + r * d;
+            for (int64_t t = lo; t < hi; t++) {
+                float score = dot(q, s->key_rows[t], d);
+                if (c->soft_cap > 0.0f) score = soft_capped(score, c->soft_cap);
+                sc[t] = score;
+                chunk_max = score > chunk_max ? score : chunk_max;
+            }
+            /* online softmax: rescale the partial sums to the new running maximum, then exponentiate */
+            const float old = s->m[r], now = chunk_max > old ? chunk_max : old;
+            if (now == -INFINITY) { /* every score NaN or -inf (non-finite K): NaN, as the reference */
+                s->l[r] = NAN;
+                for (int64_t t = lo; t < hi; t++) sc[t] = 0.0f;
+                continue;
+            }
+            if (old != now) {
+                const float alpha = old == -INFINITY ? 0.0f : exp_nonpositive(old - now);
+                float *acc = s->acc + r * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) acc[i] *= alpha;
+                s->l[r] *= alpha;
+                s->m[r] = now;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = lo; t < hi; t++) {
+                float p = exp_nonpositive(sc[t] - now);
+                sc[t] = p;
+                sum += p;
+            }
+            s->l[r] += sum;
+        }
+        const int64_t r0 = qi * group; /* the group's rows see the same keys */
+        weighted_rows(s->acc + r0 * d, s->scores + r0 * KEY_CHUNK + lo, 1, KEY_CHUNK, s->value_rows + lo, hi - lo, d,
+                      group);
+    }
+}
+
+#ifdef __AVX512F__
+/* Scores of `KEYS` keys from t0 for the 16 * REGS rows from r0: KEYS * REGS independent accumulators,
+ * enough to cover the FMA latency (two would leave the units idle half the time). */
+static inline __attribute__((always_inline)) void score_block(const float *qt, const float *const *keys,
+                                                              float *scores, int64_t d, int64_t lanes, int64_t t0,
+                                                              int64_t r0, const int KEYS, const int REGS) {
+    __m512 acc[8][4];
+    for (int kk = 0; kk < KEYS; kk++)
+        for (int j = 0; j < REGS; j++) acc[kk][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i++) {
+        __m512 q[4];
+        for (int j = 0; j < REGS; j++) q[j] = _mm512_loadu_ps(qt + i * lanes + r0 + 16 * j);
+        for (int kk = 0; kk < KEYS; kk++) {
+            const __m512 k = _mm512_set1_ps(keys[t0 + kk][i]);
+            for (int j = 0; j < REGS; j++) acc[kk][j] = _mm512_fmadd_ps(q[j], k, acc[kk][j]);
+        }
+    }
+    for (int kk = 0; kk < KEYS; kk++)
+        for (int j = 0; j < REGS; j++) _mm512_storeu_ps(scores + (t0 + kk) * lanes + r0 + 16 * j, acc[kk][j]);
+}
+#endif
+
+/* scores[t * lanes + r] = sum_i qt[i * lanes + r] * k_t[i] for every key of the chunk: rows across vector lanes. */
+static void scores_by_lanes(const float *qt, const float *const *keys, float *scores, int64_t n, int64_t d,
+                            int64_t lanes) {
+    int64_t t = 0;
+#ifdef __AVX512F__
+    if (lanes == 16)
+        for (; t + 8 <= n; t += 8) score_block(qt, keys, scores, d, lanes, t, 0, 8, 1);
+    else if (lanes == 32)
+        for (; t + 4 <= n; t += 4) score_block(qt, keys, scores, d, lanes, t, 0, 4, 2);
+    else if (lanes % 64 == 0)
+        for (; t + 2 <= n; t += 2)
+            for (int64_t r0 = 0; r0 < lanes; r0 += 64) score_block(qt, keys, scores, d, lanes, t, r0, 2, 4);
+    else if (lanes % 32 == 0)
+        for (; t + 4 <= n; t += 4)
+            for (int64_t r0 = 0; r0 < lanes; r0 += 32) score_block(qt, keys, scores, d, lanes, t, r0, 4, 2);
+    for (; t < n; t++) /* the chunk's last few keys (and lane counts of 48, 80, ...) */
+        for (int64_t r0 = 0; r0 < lanes; r0 += 16) score_block(qt, keys, scores, d, lanes, t, r0, 1, 1);
+#endif
+    for (; t < n; t++) {
+        const float *k = keys[t];
+        float *st = scores + t * lanes;
+        for (int64_t r = 0; r < lanes; r++) st[r] = 0.0f;
+        for (int64_t i = 0; i < d; i++) {
+            const float ki = k[i], *q = qt + i * lanes;
+#pragma omp simd
+            for (int64_t r = 0; r < lanes; r++) st[r] += q[r] * ki;
+        }
+    }
+}
+
+/*
+ * Scores of one chunk for a prefill tile, rows across vector lanes (q stored transposed, [head_size][lanes]):
+ * no horizontal sums, and the mask, soft cap, maximum and exp run over 16 rows at once.
+ */
+static void chunk_by_lanes(const cache_t *c, const scratch_t *s, int64_t rows, int64_t lanes, int64_t c0,
+                           int64_t n) {
+    const int64_t d = c->head_size, window = c->sliding_window;
+    const float cap = c->soft_cap;
+    float *scores = s->scores, *chunk_max = s->chunk_max, *shift = s->sums;
+    const int32_t *qpos = s->positions;
+    scores_by_lanes(s->q, s->key_rows, scores, n, d, lanes);
+    for (int64_t r = 0; r < lanes; r++) chunk_max[r] = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        const int32_t pos = (int32_t)(c0 + t);
+        float *st = scores + t * lanes;
+#pragma omp simd
+        for (int64_t r = 0; r < lanes; r++) {
+            float v = cap > 0.0f ? soft_capped(st[r], cap) : st[r];
+            const int visible = pos <= qpos[r] && (window <= 0 || pos > qpos[r] - window);
+            v = visible ? v : -INFINITY;
+            st[r] = v;
+            chunk_max[r] = v > chunk_max[r] ? v : chunk_max[r];
+        }
+    }
+    /* online softmax: per row, the shift its scores are exponentiated against (0 when it sees no key here) */
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t lo, hi;
+        visible_range(qpos[r], window, c0, n, &lo, &hi);
+        shift[r] = 0.0f;
+        if (lo >= hi) continue;
+        const float old = s->m[r], now = chunk_max[r] > old ? chunk_max[r] : old;
+        if (now == -INFINITY) { /* every score NaN or -inf (non-finite K): NaN, as the reference */
+            s->l[r] = NAN;
+            continue;
+        }
+        if (old != now) {
+            const float alpha = old == -INFINITY ? 0.0f : exp_nonpositive(old - now);
+            float *acc = s->acc + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[i] *= alpha;
+            s->l[r] *= alpha;
+            s->m[r] = now;
+        }
+        shift[r] = now;
+    }
+    for (int64_t r = rows; r < lanes; r++) shift[r] = 0.0f;
+    float *sums = s->chunk_max; /* the maxima are spent: reuse them for the sums */
+    for (int64_t r = 0; r < lanes; r++) sums[r] = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        float *st = scores + t * lanes;
+#pragma omp simd
+        for (int64_t r = 0; r < lanes; r++) {
+            const float p = exp_nonpositive(st[r] - shift[r]); /* a hidden key: exp(-inf) = 0 */
+            st[r] = p;
+            sums[r] += p;
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) s->l[r] += sums[r];
+    for (int64_t r0 = 0; r0 < rows; r0 += c->group) { /* a query token's rows (the group) see the same keys */
+        int64_t lo, hi;
+        visible_range(qpos[r0], window, c0, n, &lo, &hi);
+        if (lo < hi)
+            weighted_rows(s->acc + r0 * d, scores + lo * lanes + r0, lanes, 1, s->value_rows + lo, hi - lo, d,
+                          c->group);
     }
 }
 
@@ -294,18 +521,29 @@ static inline __attribute__((always_inline)) int attend(
     const int64_t d = c->head_size, group = c->group, rows = tokens * group, elem = dtype == DT_F32 ? 4 : 2;
     const int64_t window = c->sliding_window, row_bytes = d * elem;
     const int64_t prefetch_rows = PREFETCH_BYTES / row_bytes > 4 ? PREFETCH_BYTES / row_bytes : 4;
-    for (int64_t qi = 0; qi < tokens; qi++)
-        for (int64_t g = 0; g < group; g++) {
-            int64_t r = qi * group + g;
+    /* a prefill tile puts its rows across vector lanes; decode's few rows (one query token) go one by one */
+    const int by_lanes = tokens > 1, lanes = (rows + 15) & ~(int64_t)15;
+    for (int64_t r = 0; r < lanes; r++) {
+        const int64_t qi = r / group, g = r % group;
+        s->positions[r] = r < rows ? (int32_t)(first_pos + qi) : -1; /* a padding lane sees nothing */
+        if (r >= rows) {
+            if (by_lanes)
+                for (int64_t i = 0; i < d; i++) s->q[i * lanes + r] = 0.0f;
+            continue;
+        }
+        const float *q = widen(query + (qi * q_token_stride + (kv_head * group + g) * q_head_stride) * elem,
+                               s->keys, d, dtype);
+        if (by_lanes)
+            for (int64_t i = 0; i < d; i++) s->q[i * lanes + r] = q[i] * c->scale;
+        else {
             float *qs = s->q + r * d;
-            const float *q = widen(query + (qi * q_token_stride + (kv_head * group + g) * q_head_stride) * elem,
-                                   qs, d, dtype);
 #pragma omp simd
             for (int64_t i = 0; i < d; i++) qs[i] = q[i] * c->scale;
-            memset(s->acc + r * d, 0, (size_t)d * sizeof(float));
-            s->m[r] = -INFINITY;
-            s->l[r] = 0.0f;
         }
+        memset(s->acc + r * d, 0, (size_t)d * sizeof(float));
+        s->m[r] = -INFINITY;
+        s->l[r] = 0.0f;
+    }
     const int64_t last_pos = first_pos + tokens - 1;
     int64_t begin = window > 0 ? first_pos - window + 1 : 0;
     if (begin < 0) begin = 0;
@@ -339,48 +577,10 @@ static inline __attribute__((always_inline)) int attend(
             if (t + 1 < n) cursor_next(c, seq, kv_head, elem, &at);
         }
         if (c0 + n <= last_pos) cursor_next(c, seq, kv_head, elem, &at);
-        for (int64_t qi = 0; qi < tokens; qi++) {
-            /* the keys of this chunk query qi sees: [lo, hi) */
-            const int64_t qpos = first_pos + qi;
-            int64_t lo = window > 0 ? qpos - window + 1 - c0 : 0, hi = qpos + 1 - c0;
-            lo = lo < 0 ? 0 : lo;
-            hi = hi > n ? n : hi;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t r = qi * group + g;
-                float *sc = s->scores + r * KEY_CHUNK, chunk_max = -INFINITY;
-                const float *q = s->q + r * d;
-                for (int64_t t = lo; t < hi; t++) {
-                    float score = dot(q, s->key_rows[t], d);
-                    if (c->soft_cap > 0.0f) score = soft_capped(score, c->soft_cap);
-                    sc[t] = score;
-                    chunk_max = score > chunk_max ? score : chunk_max;
-                }
-                if (lo >= hi) continue;
-                /* online softmax: rescale the partial sums to the new running maximum, then exponentiate */
-                const float old = s->m[r], now = chunk_max > old ? chunk_max : old;
-                if (now == -INFINITY) { /* every score NaN or -inf (non-finite K): NaN, as the reference */
-                    s->l[r] = NAN;
-                    continue;
-                }
-                if (old != now) {
-                    const float alpha = old == -INFINITY ? 0.0f : exp_nonpositive(old - now);
-                    float *acc = s->acc + r * d;
-#pragma omp simd
-                    for (int64_t i = 0; i < d; i++) acc[i] *= alpha;
-                    s->l[r] *= alpha;
-                    s->m[r] = now;
-                }
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = lo; t < hi; t++) {
-                    float p = exp_nonpositive(sc[t] - now);
-                    sc[t] = p;
-                    sum += p;
-                }
-                s->l[r] += sum;
-                weighted_sum(s->acc + r * d, sc + lo, s->value_rows + lo, hi - lo, d);
-            }
-        }
+        if (by_lanes)
+            chunk_by_lanes(c, s, rows, lanes, c0, n);
+        else
+            chunk_by_rows(c, s, tokens, first_pos, c0, n);
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t qi = r / group, g = r % group;
@@ -539,7 +739,7 @@ int vp_prefill_attention(void *out, const void *query, int64_t q_token_stride, i
 #pragma omp atomic write
             status = ERR_MEMORY;
         }
-        /* last tiles first: they see the most keys, so the shortest items fill the end of the schedule */
+        /* backwards: a sequence's last tiles see the most keys, so the short items fill the end of the schedule */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = tiles * num_kv_heads - 1; item >= 0; item--) {
             int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;

@@ -1,0 +1,145 @@
+"""``vllm-port profile``: the layered profile of a model's steps from the command line, and its baseline check.
+
+Exit status: 0 when the profile was made (and nothing regressed against ``--baseline``), 1 when
+something regressed, 2 on bad input (an unreadable or incomparable baseline, a model or device
+that cannot be loaded, options the model cannot run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import VllmPortError
+from .schema import DEFAULT_MIN_SHARE_PCT, DEFAULT_THRESHOLD_PCT, PHASES
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``vllm-port profile``."""
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        default=None,
+        metavar="MODEL_DIR",
+        help="Hugging Face model directory (default: the bundled model)",
+    )
+    parser.add_argument(
+        "--device", default=None, metavar="NAME", help="platform to run on (default: the best available)"
+    )
+    parser.add_argument("--batch", type=int, default=8, metavar="N", help="sequences in each step (default 8)")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=256,
+        metavar="L",
+        help="tokens per sequence: prefilled, or in the cache when decoding (default 256)",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="default: the checkpoint's"
+    )
+    parser.add_argument("--phase", default="both", choices=["both", *PHASES], help="steps to profile (default both)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        metavar="R",
+        help="profiled steps per phase; nodes take the median (default 10)",
+    )
+    parser.add_argument(
+        "--min-time",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="seconds spent timing each step's wall time (default 0.5)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="also compile each step and report compile time, graph breaks"
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="F", help="write the profile (and any comparison) to this JSON file"
+    )
+    parser.add_argument(
+        "--baseline", default=None, metavar="F", help="a previous --json to compare against: exit 1 on regression"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD_PCT,
+        metavar="PCT",
+        help=f"a time must grow by more than PCT%% to regress (default {DEFAULT_THRESHOLD_PCT:g})",
+    )
+    parser.add_argument(
+        "--min-share",
+        type=float,
+        default=DEFAULT_MIN_SHARE_PCT,
+        metavar="PCT",
+        help=f"ignore changes under PCT%% of the step's time (default {DEFAULT_MIN_SHARE_PCT:g})",
+    )
+    parser.add_argument("--nodes", action="store_true", help="list every node, not only the slowest")
+    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``vllm-port profile`` with parsed ``args``; return the exit status."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return _run(args)
+    except VllmPortError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(threads)  # called in-process (tests, notebooks): leave torch as it was
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..data import bundled_model_dir
+    from ..models import load_config, load_model
+    from ..runtime import load
+    from .collect import identity, profile_model  # the tracer and the profiler: loaded only to profile
+    from .compare import check_comparable, compare, load_baseline
+    from .render import render, render_comparison
+
+    baseline = load_baseline(args.baseline) if args.baseline else None  # refuse a bad file before any work
+    model_dir = Path(args.model_dir) if args.model_dir else bundled_model_dir()
+    runtime = load(device=args.device)
+    dtype = load_config(model_dir).dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = load_model(model_dir, runtime.device, dtype)
+    phases = PHASES if args.phase == "both" else (args.phase,)
+    if baseline is not None:
+        facts = identity(model, runtime, dtype, args.batch, args.context)
+        check_comparable({**facts, "phases": dict.fromkeys(phases)}, baseline, f"baseline {args.baseline}")
+    report = profile_model(
+        model,
+        runtime,
+        dtype,
+        batch=args.batch,
+        context=args.context,
+        phases=phases,
+        repeats=args.repeats,
+        compile=args.compile,
+        min_run_time=args.min_time,
+        model_dir=str(model_dir),
+    )
+    comparison: dict[str, Any] | None = None
+    if baseline is not None:
+        comparison = compare(report, baseline, args.threshold, args.min_share)
+        report["comparison"] = {"baseline": str(args.baseline), **comparison}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(render(report, all_nodes=args.nodes))
+    if comparison is not None:
+        print()
+        print(render_comparison(comparison, str(args.baseline)))
+        return 0 if comparison["ok"] else 1
+    return 0
