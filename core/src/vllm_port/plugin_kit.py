@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .graph import GraphCapture
+from .graph import GraphCapture, capturing
 from .hookspecs import hookimpl
 from .memory import Allocator
 from .ops import Provider
@@ -124,7 +124,7 @@ class StreamGraphCapture(GraphCapture):
                 step()
         module.current_stream().wait_stream(side)
         graph = getattr(module, self.graph_type)()
-        with module.graph(graph, pool=self.pool):
+        with module.graph(graph, pool=self.pool), capturing():
             outputs = step()
 
         def replay() -> T:

@@ -79,6 +79,24 @@ def test_the_graphs_keep_their_step_alive():
     assert alive() is not None and graphs.step is alive()
 
 
+def test_capturing_is_marked_so_value_checks_stand_aside():
+    """No host read may happen while a graph records: checks ask vllm_port.graph, not a device module."""
+    from vllm_port.graph import is_capturing
+    from vllm_port.ops._checks import reads_values, validation
+
+    seen = []
+
+    def step(input_ids, *rest):
+        seen.append((is_capturing(), reads_values(input_ids)))
+        return input_ids
+
+    with validation():
+        assert reads_values(torch.zeros(1))
+        DecodeGraphs(step, CallingCapture(), [1, 2], max_blocks_per_seq=2, device="cpu")
+        assert reads_values(torch.zeros(1)) and not is_capturing()
+    assert seen and all(s == (True, False) for s in seen)
+
+
 def test_padding_rows_leave_the_cache_untouched(tiny_dirs, cpu_runtime):
     model = load_model(tiny_dirs["qwen2"], torch.device("cpu"), torch.float32)
     runner = FlatModel(model, cpu_runtime, compile=False, block_size=4)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..graph import GraphCapture
+from ..graph import GraphCapture, capturing
 
 __all__ = ["DEFAULT_BATCH_SIZES", "DecodeGraphs", "DecodeStep", "padded_batch_sizes"]
 
@@ -75,8 +75,9 @@ class DecodeGraphs:
         # step must live as long as the graphs, or that memory is reused under them
         self.step = step
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
-        for size in reversed(sizes):  # largest first: smaller graphs reuse its memory pool
-            self.replays[size] = capture.capture(self._bound(step, size), warmup=warmup)
+        with capturing():  # whatever capture the platform brings: no host reads in the step
+            for size in reversed(sizes):  # largest first: smaller graphs reuse its memory pool
+                self.replays[size] = capture.capture(self._bound(step, size), warmup=warmup)
 
     def _bound(self, step: DecodeStep, size: int) -> Callable[[], torch.Tensor]:
         views = (

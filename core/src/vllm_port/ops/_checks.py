@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import OpInputError
+from ..graph import is_capturing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -55,10 +56,8 @@ def reads_values(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.device.type == "meta" or is_fake(t):
             return False
-        # a host read inside CUDA/HIP graph capture invalidates the capture: the step is checked when run eagerly
-        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-    return True
+    # a host read while a device graph records invalidates the capture: the step is checked when run eagerly
+    return not is_capturing()
 
 
 def check_float(op: str, arg: str, value: object) -> torch.Tensor:

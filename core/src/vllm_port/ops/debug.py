@@ -44,6 +44,7 @@ import torch
 
 from ..errors import OpInputError, ProviderError, SelectionError
 from ..faults import STRICT_ENV, strict_mode
+from ..graph import is_capturing
 from ._op import Op, SampleInput
 
 if TYPE_CHECKING:
@@ -298,9 +299,7 @@ def check_config(spec: str | None = None) -> CheckConfig | None:
 
 def _capturing() -> bool:
     """Whether the current call is being traced or recorded into a device graph (no host sync allowed)."""
-    if torch.compiler.is_compiling():
-        return True
-    return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    return torch.compiler.is_compiling() or is_capturing()
 
 
 class CheckedOp:
