@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -129,3 +130,11 @@ def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype) -> float:
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     ms = median_ms(lambda: a @ b, device)
     return 2 * n**3 / ms / 1e9
+
+
+def load_average() -> float | None:
+    """The host's 1-minute load average (other processes share a CPU platform's cores), where the OS gives one."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None

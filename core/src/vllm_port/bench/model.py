@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import os
 import platform as host_platform
 import statistics
 import tempfile
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ._timing import copy_bandwidth_gbs, median_ms, synchronize
+from ._timing import copy_bandwidth_gbs, load_average, median_ms, synchronize
 
 __all__ = ["MODES", "SHAPES", "main", "run"]
 
@@ -235,7 +234,7 @@ def run(
         "fusions": runners["eager"].graph("decode").fusions,
         "versions": _versions(),
         "threads": torch.get_num_threads(),
-        "host_load_before": _load_average(),
+        "host_load_before": load_average(),
         "rows": rows,
     }
     for batch in batches:
@@ -274,7 +273,7 @@ def run(
                 }
             reports = runners["compiled"].backend.reports
             result["compiler"] = reports[0].compiler if reports else None
-            result["host_load_after"] = _load_average()
+            result["host_load_after"] = load_average()
             result["rows"] = rows + list(batch_rows.values())
             if on_row:
                 on_row(result)
@@ -324,14 +323,6 @@ def _device_name(runtime: Any) -> str:
     if runtime.device.type != "cpu" and probe is not None and probe.devices:
         return probe.devices[0].name
     return host_platform.processor() or host_platform.machine()
-
-
-def _load_average() -> float | None:
-    """The host's 1-minute load average (other processes share a CPU platform's cores), where the OS gives one."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 def _versions() -> dict[str, str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform as host_platform
 import re
 import statistics
@@ -31,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
 
+from ..bench._timing import load_average
 from ..flat import FlatGraph, FlatModel, graph_inputs
 from ..flat.trace import StepInputs
 from ..memory import KVCache, KVLayout
@@ -651,7 +651,7 @@ def profile_model(
         "timer": first["timer"],
         "timer_note": _timer_note(first["timer"], activity, device),
         "threads": torch.get_num_threads(),
-        "host_load": _load_average(),
+        "host_load": load_average(),
         "versions": _versions(),
         "phase": phases[0],
         "nodes": first["nodes"],
@@ -683,13 +683,6 @@ def _timer_note(timer: str, activity: ProfilerActivity | None, device: torch.dev
     if activity is not None:
         return f"host time: torch.profiler recorded no {activity.name} kernel time on {device}"
     return f"host time: torch.profiler has no device activity for {device.type} (record_function ranges)"
-
-
-def _load_average() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 def _versions() -> dict[str, str]:
