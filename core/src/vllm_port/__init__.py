@@ -27,6 +27,10 @@ def __getattr__(name: str) -> object:
         from . import engine
 
         return getattr(engine, name)
+    if name in ("load_many", "Platforms"):  # several platforms at once (vllm_port.placement)
+        from .placement import platforms
+
+        return getattr(platforms, name)
     raise AttributeError(f"module 'vllm_port' has no attribute {name!r}")
 
 
@@ -43,6 +47,7 @@ __all__ = [
     "DeviceInfo",
     "OpInputError",
     "PlatformDescription",
+    "Platforms",
     "PluginError",
     "ProbeResult",
     "ProviderRejectedError",
@@ -53,4 +58,5 @@ __all__ = [
     "__version__",
     "hookimpl",
     "load",
+    "load_many",
 ]

@@ -49,8 +49,37 @@ def _bench_swap(args: argparse.Namespace) -> int:
     return swap.main(json_path=args.json, device_name=args.device)
 
 
+def _inspect_placement(args: argparse.Namespace) -> int:
+    import torch
+
+    from .errors import VllmPortError
+    from .models import load_config, load_model
+    from .placement import EnginePlacement, PlacedModel
+    from .placement.report import dumps, placement_report, render
+
+    try:
+        devices = [d for d in args.devices.split(",") if d] if args.devices else None
+        engine = EnginePlacement.create(args.placement, devices, args.device or "auto")
+        dtype = load_config(args.model_dir).dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = load_model(args.model_dir, torch.device("cpu"), dtype)  # host memory: weights move from there
+        report = placement_report(PlacedModel(model, engine.policy, engine.platforms, dtype, passes=not args.no_passes))
+    except VllmPortError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(dumps(report) if args.json else render(report, str(args.model_dir)))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     import torch
+
+    if getattr(args, "placement", None):
+        return _inspect_placement(args)
+
+    if args.import_hf:
+        from .importer.report import inspect_import
+
+        return inspect_import(args)
 
     from .errors import VllmPortError
     from .flat.inspect import dumps, inspect_graphs, render
@@ -100,6 +129,12 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from .bench import engine
 
     return engine.main(args)
+
+
+def _bench_placement(args: argparse.Namespace) -> int:
+    from .bench import placement
+
+    return placement.main(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -264,6 +299,26 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--graph", action="store_true", help="print each graph's stable text form, not a table")
     inspect.add_argument("--no-passes", action="store_true", help="the graph as traced, before fusion passes")
     inspect.add_argument("--json", action="store_true", help="print one JSON object (the decode graph at the top)")
+    inspect.add_argument(
+        "--placement",
+        default=None,
+        metavar="FILE",
+        help="a placement policy (.toml/.json): where each node runs, "
+        "what crosses between platforms (docs/placement.md)",
+    )
+    inspect.add_argument(
+        "--devices",
+        default=None,
+        metavar="LIST",
+        help="with --placement: platforms to load, the engine's first "
+        "(default: --device and the platforms the policy names)",
+    )
+    inspect.add_argument(
+        "--import",
+        dest="import_hf",
+        action="store_true",
+        help="load the model with transformers and import it: which subgraphs became which contract op, what stays native",
+    )
     inspect.set_defaults(run=_inspect)
 
     profile = commands.add_parser(
@@ -351,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_arguments(bench_engine)
     bench_engine.set_defaults(run=_bench_engine)
+    bench_placement = bench_kinds.add_parser(
+        "placement", help="decode tok/s with the MLPs or LM head on the host under a device budget, vs all on the host"
+    )
+    from .bench.placement import add_arguments as add_placement_arguments  # light: torch only
+
+    add_placement_arguments(bench_placement)
+    bench_placement.set_defaults(run=_bench_placement)
     return parser
 
 

@@ -148,9 +148,17 @@ class LLM:
     :param plugins: allow/deny list of plugins for discovery (as ``VLLM_PORT_PLUGINS``).
     :param make_step: builds the runner's step function (:data:`~vllm_port.engine.runner.StepFunction`)
         from the runner, e.g. a compiled one; default: :func:`~vllm_port.engine.runner.default_step`.
+    :param importer: ``"hf"`` loads ``model`` (a directory) with ``transformers`` and imports it
+        (``vllm_port.importer``: docs/importer.md); ``model`` may also be a ``transformers`` module,
+        imported as it is. Default ``None``: the core model definitions.
     :param enforce_eager: never replay captured graphs. By default decode steps are captured as
         device graphs per batch size on platforms that offer graph capture (the CUDA plugin does;
         the CPU plugin does not, and there every step runs as it is).
+    :param placement: a placement policy (a ``.toml``/``.json`` file, a mapping or a
+        :class:`~vllm_port.placement.PlacementPolicy`): the model's nodes on several platforms,
+        run eagerly, without swap space by default (``docs/placement.md``).
+    :param devices: the platforms to load for ``placement`` (the first holds the batch and samples);
+        default: ``device`` and every platform the policy names.
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -173,36 +181,57 @@ class LLM:
         plugins: str | None = None,
         make_step: Callable[[ModelRunner], StepFunction] | None = None,
         enforce_eager: bool = False,
+        importer: str | None = None,
+        placement: Any = None,
+        devices: Sequence[str] | None = None,
     ) -> None:
-        self.model_dir = Path(model) if model is not None else bundled_model_dir()
-        self.runtime = device if isinstance(device, Runtime) else load(plugins, None if device == "auto" else device)
-        config = load_config(self.model_dir)
-        self.dtype = _resolve_dtype(dtype, config.dtype)
+        self.placement = _placement(placement, devices, device, plugins, tensor_parallel_size)  # None: one platform
+        if self.placement is not None:
+            self.runtime = self.placement.platforms.default
+        else:
+            self.runtime = (
+                device if isinstance(device, Runtime) else load(plugins, None if device == "auto" else device)
+            )
+        imported = None  # a transformers module, or a directory loaded through transformers (vllm_port.importer)
+        if importer is not None or isinstance(model, torch.nn.Module):
+            from ..importer.engine import import_for_engine
+
+            imported = import_for_engine(model, importer, self.runtime, dtype, _resolve_dtype, tensor_parallel_size)
+            model = model if isinstance(model, (str, os.PathLike)) else None
+        self.model_dir = Path(model) if model is not None else None if imported is not None else bundled_model_dir()
+        config = imported.config if imported is not None else load_config(self.model_dir)
+        self.dtype = imported.dtype if imported is not None else _resolve_dtype(dtype, config.dtype)
         # from config.json's sizes alone, before any weight or cache is allocated; with tensor
         # parallelism the ranks own the devices (asking here could open a device context in this process)
-        check_fits(
-            config,
-            self.dtype,
-            device_free=self.runtime.allocator().mem_info()[0] if tensor_parallel_size == 1 else None,
-            host_free=host_memory()[0],
-            where=f"platform {self.runtime.platform.name!r}'s device",
-            config_path=self.model_dir / "config.json",
-        )
+        if imported is None:
+            check_fits(
+                config,
+                self.dtype,
+                device_free=self.runtime.allocator().mem_info()[0]
+                if tensor_parallel_size == 1 and not self.placement  # placement checks each platform's share
+                else None,
+                host_free=host_memory()[0],
+                where=f"platform {self.runtime.platform.name!r}'s device",
+                config_path=self.model_dir / "config.json",
+            )
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len is {max_model_len!r}; it must be an int >= 2")
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            source = self.model_dir / "config.json" if self.model_dir else config.architecture
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"({config.max_position_embeddings}, {self.model_dir / 'config.json'}); lower it"
+                f"({config.max_position_embeddings}, {source}); lower it"
             )
-        model_file(self.model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
-        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        self.tokenizer = None  # an imported module brings no tokenizer: prompts are token ids
+        if self.model_dir is not None:
+            model_file(self.model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
+            self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         longest = max_model_len or config.max_position_embeddings
         if swap_space is None:
-            swap_space = _default_swap(self.runtime, kv_cache_memory)
+            swap_space = 0 if self.placement else _default_swap(self.runtime, kv_cache_memory)
         self.runner = _make_runner(
             self.runtime,
-            self.model_dir,
+            self.model_dir if imported is None else imported,
             self.dtype,
             tensor_parallel_size,
             block_size=block_size,
@@ -210,6 +239,7 @@ class LLM:
             swap_space=swap_space,
             max_tokens=max_num_seqs * longest,
             **({"make_step": make_step} if make_step is not None else {}),
+            **({"placement": self.placement} if self.placement is not None else {}),
         )
         # the cache's memory goes back to the allocator when the LLM goes away, closed or not
         self._finalizer = weakref.finalize(self, self.runner.close)
@@ -226,7 +256,7 @@ class LLM:
             )
             #: the decode batch sizes replayed from captured graphs (empty: every step eager)
             self.captured_batch_sizes = (
-                [] if enforce_eager else self.runner.capture_decode(max_num_seqs, self.max_model_len)
+                [] if enforce_eager or self.placement else self.runner.capture_decode(max_num_seqs, self.max_model_len)
             )
         except BaseException:
             self.close()
@@ -471,9 +501,18 @@ def _default_swap(runtime: Runtime, kv_cache_memory: float | int) -> int:
     return min(kv_cache_memory, 4 << 30) if isinstance(kv_cache_memory, int) else 4 << 30
 
 
-def _make_runner(
-    runtime: Runtime, model_dir: Path, dtype: torch.dtype, tensor_parallel_size: int, **kwargs: Any
-) -> Any:
+def _placement(placement: Any, devices: Sequence[str] | None, device: Any, plugins: str | None, tp: int) -> Any:
+    """The engine's placement (``vllm_port.placement.EnginePlacement``) when ``placement`` or ``devices`` is given."""
+    if placement is None and devices is None:
+        return None
+    if tp != 1:
+        raise ValueError("placement runs the model in this process; use tensor_parallel_size=1 with placement")
+    from ..placement import EnginePlacement
+
+    return EnginePlacement.create(placement, devices, device, plugins)
+
+
+def _make_runner(runtime: Runtime, model_dir: Any, dtype: torch.dtype, tensor_parallel_size: int, **kwargs: Any) -> Any:
     if tensor_parallel_size == 1:
         return ModelRunner(runtime, model_dir, dtype, **kwargs)
     if "make_step" in kwargs:

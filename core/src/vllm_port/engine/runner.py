@@ -103,6 +103,9 @@ class ModelRunner:
         ``runtime``) once the cache exists; default :func:`default_step`. See the module docstring.
     :param ops: bound kernels to use instead of ``runtime.bind(model.dtype)`` (tensor parallelism wraps them).
     :param device: where the model lives (default ``runtime.device``; a tensor-parallel rank's own device).
+    :param placement: a :class:`~vllm_port.placement.EnginePlacement`: the model's nodes on several
+        platforms (``runtime`` is the first), each layer's KV cache on its attention's platform, and
+        its step (unless ``make_step`` is given).
     """
 
     def __init__(
@@ -118,10 +121,13 @@ class ModelRunner:
         make_step: Callable[[ModelRunner], StepFunction] | None = None,
         ops: BoundOps | None = None,
         device: torch.device | None = None,
+        placement: Any = None,
     ) -> None:
         self.runtime = runtime
         self.device = device or runtime.device
-        if not isinstance(model, LlamaModel):
+        if placement is not None:  # loaded into host memory, each node's weights moved to its platform
+            model = placement.prepare(model, dtype or torch.float32, block_size)
+        elif isinstance(model, (str, os.PathLike)):  # else a loaded model: LlamaModel, or one of its shape (importer)
             model = load_model(model, self.device, dtype or torch.float32)
         self.model = model
         self.config = model.config
@@ -129,13 +135,19 @@ class ModelRunner:
         self.block_size = block_size
         c = model.config
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_size, block_size, model.dtype)
-        self.kv = runtime.kv_cache(self.layout, _budget(runtime, kv_cache_memory, self.layout, max_tokens))
+        budget = _budget(runtime, kv_cache_memory, self.layout, max_tokens)
+        if placement is not None:
+            self.kv = placement.kv_cache(self.layout, budget, swap_space)
+        else:
+            self.kv = runtime.kv_cache(self.layout, budget)
         self.kv_caches = list(zip(self.kv.key_caches, self.kv.value_caches, strict=True))
         try:
             self.swap = self._swap_cache(swap_space)
         except BaseException:
             self.kv.close()
             raise
+        if make_step is None and placement is not None:
+            make_step = placement.make_step
         self.step = make_step(self) if make_step is not None else default_step(self, own_ops=ops is None)
         #: stage host metadata in page-locked memory, so its copy to the device does not wait for it
         self._pinned = "pinned_host" in runtime.platform.memory_tiers

@@ -1,0 +1,385 @@
+"""``import_model``: a ``transformers`` causal LM as a flat model over the paged KV cache.
+
+The skeleton (what runs between the pieces) is the decoder-only one of Llama, Qwen2, Mistral and
+the many models shaped like them: token embedding, rotary cos/sin from the positions, decoder
+layers, final norm, LM head. The pieces are found through transformers' own accessors
+(``get_input_embeddings``, ``get_output_embeddings``, the base model's ``layers``, ``norm`` and
+``rotary_emb``); what each piece computes is read from its traced graph (``_rewrite``). Because the
+skeleton is an assumption about the model's top-level ``forward``, every import ends by running
+the imported model and ``transformers`` on the same short prompt (prefill, then one decode step)
+and refuses the model when their logits disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..models import AttentionMetadata
+from ._rewrite import Mapped, PieceReport, rewrite_piece
+from ._trace import EXAMPLE_TOKENS, ImporterError, attention_seam, trace_piece
+
+__all__ = ["ImportedConfig", "ImportedModel", "import_model"]
+
+#: Relative logit error (max |ours - transformers| over max(1, max |transformers|)) the import check allows.
+VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 0.1, torch.float16: 5e-2}
+#: Tokens of the import check's prompt: longer than a typical test sliding window, short for a big model.
+VERIFY_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class ImportedConfig:
+    """What the engine reads of an imported model (the fields of ``vllm_port.models.ModelConfig`` it uses).
+
+    Sizes of attention (heads, KV heads, head size, window) come from the traced graph, the rest
+    from the ``transformers`` config.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    max_position_embeddings: int
+    sliding_window: int
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+
+
+@dataclass
+class ImportReport:
+    """What the import recognised and what stays native, per piece; ``verify_error``: the import check's error."""
+
+    architecture: str
+    pieces: list[PieceReport] = field(default_factory=list)
+    verify_error: float | None = None
+
+    @property
+    def mapped(self) -> list[Mapped]:
+        return [m for p in self.pieces for m in p.mapped]
+
+    @property
+    def native(self) -> list[dict[str, str]]:
+        return [n for p in self.pieces for n in p.native]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "architecture": self.architecture,
+            "mapped": [m.to_json() for m in self.mapped],
+            "native": self.native,
+            "views": sum(p.views for p in self.pieces),
+            "notes": [f"{p.piece}: {n}" for p in self.pieces for n in p.notes],
+            "verify_error": self.verify_error,
+        }
+
+
+class ImportedModel:
+    """A ``transformers`` causal LM rewritten into contract ops: the interface of ``vllm_port.models.LlamaModel``.
+
+    ``forward(ops, input_ids, positions, kv_caches, meta)`` and ``compute_logits(ops, hidden)``
+    take the bound ops like the core model does, so everything that runs a core model runs this
+    one: ``ModelRunner`` (eager step), ``vllm_port.flat.trace``/``FlatModel`` (flat graphs, fusion
+    passes, compilation, decode capture) and ``vllm-port inspect``.
+
+    Attributes:
+        layers: each decoder layer's rewritten ``torch.fx.GraphModule``; called as
+            ``layer(ops, positions, key_cache, value_cache, meta, hidden, cos, sin)``.
+        embed, norm, lm_head: the other pieces, rewritten the same way.
+        report: the :class:`ImportReport`.
+    """
+
+    def __init__(
+        self,
+        layers: list[torch.fx.GraphModule],
+        embed: torch.fx.GraphModule,
+        norm: torch.fx.GraphModule,
+        lm_head: torch.fx.GraphModule,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        config: ImportedConfig,
+        report: ImportReport,
+    ) -> None:
+        self.layers = layers
+        self.embed = embed
+        self.norm = norm
+        self.lm_head = lm_head
+        self.config = config
+        self.report = report
+        #: the model's own cos/sin tables ``[max_position, rotary_dim]``, kept only when a rotary stayed native
+        self._cos_sin = cos_sin
+        self._dtype = config.dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model runs in."""
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights."""
+        return next(iter(self.lm_head.buffers())).device
+
+    def forward(
+        self,
+        ops: Any,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: Any,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, ``[num_tokens, hidden_size]`` (as ``LlamaModel.forward``)."""
+        hidden = self.embed(ops, positions, None, None, meta, input_ids).unsqueeze(0)
+        cos = sin = None
+        if self._cos_sin is not None:  # a rotary embedding stayed native: it reads the model's cos/sin
+            cos, sin = (t[positions].unsqueeze(0) for t in self._cos_sin)
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(ops, positions, key_cache, value_cache, meta, hidden, cos, sin)
+        return self.norm(ops, positions, None, None, meta, hidden)[0]
+
+    def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab_size]`` of hidden states ``[n, hidden_size]``."""
+        return self.lm_head(ops, None, None, None, None, hidden)
+
+
+# --- import ----------------------------------------------------------------------------------------
+
+
+def _who(model: Any) -> str:
+    return type(model).__name__
+
+
+def _skeleton(model: torch.nn.Module) -> dict[str, Any]:
+    """The pieces of a decoder-only causal LM, found through transformers' accessors."""
+    who = _who(model)
+    hint = (
+        "the importer runs decoder-only causal LMs built as token embedding -> decoder layers (with rotary "
+        "position embeddings) -> final norm -> LM head, as Llama, Qwen2 and Mistral are"
+    )
+    if not isinstance(model, torch.nn.Module):
+        raise ImporterError(f"import_model: got a {who}, not a torch.nn.Module; pass a transformers causal LM ({hint})")
+    base = getattr(model, "base_model", None) or getattr(model, "model", None)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = {
+        "input embedding (get_input_embeddings(): an nn.Embedding)": isinstance(embed, torch.nn.Embedding),
+        "LM head (get_output_embeddings(): an nn.Linear)": isinstance(head, torch.nn.Linear),
+        "decoder layers (base_model.layers: an nn.ModuleList)": isinstance(
+            getattr(base, "layers", None), torch.nn.ModuleList
+        ),
+        "final norm (base_model.norm)": isinstance(getattr(base, "norm", None), torch.nn.Module),
+        "rotary embedding (base_model.rotary_emb)": isinstance(getattr(base, "rotary_emb", None), torch.nn.Module),
+    }
+    missing = [what for what, ok in found.items() if not ok]
+    if missing:
+        raise ImporterError(f"{who} cannot be imported: it has no {'; no '.join(missing)}. {hint}")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ImporterError(f"{who} is an encoder-decoder model; {hint}")
+    return {"base": base, "embed": embed, "layers": list(base.layers), "norm": base.norm, "head": head}
+
+
+def _rotary_tables(base: torch.nn.Module, max_positions: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """``(cos, sin)`` ``[max_positions, rotary_dim]`` from the model's own rotary module, and the NeoX table or None."""
+    rotary = base.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise ImporterError(
+            f"{type(rotary).__name__} uses rope type {rope_type!r}, whose frequencies change with the sequence "
+            "length; the importer needs one cos/sin table for every position (default, linear, llama3, yarn)"
+        )
+    positions = torch.arange(max_positions, device=device)[None]
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), positions)
+    cos, sin = cos[0].float(), sin[0].float()
+    half = cos.shape[-1] // 2
+    neox = torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+    table = torch.cat([cos[:, :half], sin[:, :half]], dim=-1).contiguous() if neox else None
+    return (cos.to(dtype), sin.to(dtype)), table
+
+
+def _param_names(module: torch.nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        names.setdefault(id(tensor), name)
+    return names
+
+
+def _prompt(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (VERIFY_TOKENS,), generator=gen)
+
+
+def import_model(
+    hf_model: torch.nn.Module,
+    runtime: Any,
+    dtype: torch.dtype | None = None,
+    *,
+    verify: bool = True,
+) -> ImportedModel:
+    """Import a ``transformers`` causal LM: trace its pieces, rewrite what is recognised into contract ops.
+
+    The module is moved to ``runtime.device`` and cast to ``dtype`` in place (``module.to``), and
+    the imported model shares its weights, apart from the projections it fuses (q/k/v, gate/up),
+    which it holds concatenated.
+
+    :param runtime: the platform the model will run on (its device; its bound ops for the check).
+    :param dtype: the dtype to run in (default: the module's).
+    :param verify: run the import check (imported model against ``transformers`` on a short prompt).
+    :raises ImporterError: for a module that is not a decoder-only causal LM of the supported
+        shape, a piece that cannot be traced, an attention the paged cache cannot serve, or a
+        failed import check; the message names the model, the piece and what to do.
+    """
+    parts = _skeleton(hf_model)
+    device = torch.device(runtime.device)
+    dtype = dtype or next(hf_model.parameters()).dtype
+    hf_model.to(device=device, dtype=dtype).eval()
+    config = hf_model.config
+    who = _who(hf_model)
+    max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if max_positions < 2:
+        raise ImporterError(f"{who}: config.max_position_embeddings is {max_positions!r}; the importer needs it >= 2")
+    (cos, sin), table = _rotary_tables(parts["base"], max_positions, dtype, device)
+    hidden_size = parts["embed"].weight.shape[1]
+    report = ImportReport(who)
+
+    def hidden(tokens_dims: int = 3) -> torch.Tensor:
+        shape = (1, EXAMPLE_TOKENS, hidden_size) if tokens_dims == 3 else (EXAMPLE_TOKENS, hidden_size)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    ids = torch.zeros(EXAMPLE_TOKENS, dtype=torch.long, device=device)
+    embed = _import_piece(
+        lambda x: parts["embed"](x), [("input_ids", ids, (True,))], parts["embed"], "embed", who, report
+    )
+    layers, facts = [], []
+    # cos and sin must be distinct tensors: the tracer maps one example tensor to one graph input
+    rope = [torch.empty((1, EXAMPLE_TOKENS, cos.shape[-1]), dtype=dtype, device=device) for _ in "cs"]
+    with attention_seam(hf_model):
+        for i, module in enumerate(parts["layers"]):
+            run_layer = _layer_call(module)
+            inputs = [("hidden", hidden(), (False, True, False)), ("cos", rope[0], (False, True, False))]
+            inputs.append(("sin", rope[1], (False, True, False)))
+            gm, layer_facts = _import_layer(run_layer, inputs, module, f"layers.{i}", who, report, table)
+            layers.append(gm)
+            facts.append(layer_facts)
+    norm = _import_piece(
+        lambda x: parts["norm"](x), [("hidden", hidden(), (False, True, False))], parts["norm"], "norm", who, report
+    )
+    lm_head = _import_piece(
+        lambda x: parts["head"](x), [("hidden", hidden(2), (True, False))], parts["head"], "lm_head", who, report
+    )
+    geometry = {(f["num_kv_heads"], f["head_size"]) for f in facts}
+    if len(geometry) != 1:
+        raise ImporterError(
+            f"{who}: layers differ in KV heads or head size ({sorted(geometry)}); the paged KV cache has one layout "
+            "for every layer"
+        )
+    windows = {f["sliding_window"] for f in facts}
+    layer_reports = [p for p in report.pieces if p.piece.startswith("layers.")]
+    rotary_native = not all(any(m.pattern == "rotary_embedding" for m in p.mapped) for p in layer_reports)
+    eos = getattr(config, "eos_token_id", None)
+    generation = getattr(hf_model, "generation_config", None)
+    eos_ids = [*(eos if isinstance(eos, list) else [] if eos is None else [eos])]
+    more = getattr(generation, "eos_token_id", None)
+    eos_ids += [t for t in (more if isinstance(more, list) else [] if more is None else [more]) if t not in eos_ids]
+    imported_config = ImportedConfig(
+        architecture=who,
+        vocab_size=int(parts["head"].weight.shape[0]),
+        hidden_size=int(hidden_size),
+        num_layers=len(layers),
+        num_heads=facts[0]["num_heads"],
+        num_kv_heads=facts[0]["num_kv_heads"],
+        head_size=facts[0]["head_size"],
+        max_position_embeddings=max_positions,
+        sliding_window=max(windows),
+        dtype=dtype,
+        bos_token_id=getattr(config, "bos_token_id", None),
+        eos_token_ids=tuple(int(t) for t in eos_ids),
+        tie_word_embeddings=parts["head"].weight is parts["embed"].weight,
+    )
+    model = ImportedModel(layers, embed, norm, lm_head, (cos, sin) if rotary_native else None, imported_config, report)
+    if verify:
+        report.verify_error = _verify(model, hf_model, runtime)
+    return model
+
+
+def _layer_call(module: torch.nn.Module) -> Any:
+    """``layer(hidden, cos, sin)``: one decoder layer without mask or cache (the engine brings its own)."""
+
+    def run_layer(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = module(hidden, attention_mask=None, position_embeddings=(cos, sin), cache=None, use_cache=False)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run_layer
+
+
+def _import_piece(fn, inputs, module, piece, who, report) -> torch.fx.GraphModule:
+    gm = trace_piece(fn, inputs, f"{who} {piece}")
+    gm, piece_report, _ = rewrite_piece(gm, piece, _param_names(module))
+    report.pieces.append(piece_report)
+    return gm
+
+
+def _import_layer(fn, inputs, module, piece, who, report, table) -> tuple[torch.fx.GraphModule, dict[str, Any]]:
+    gm = trace_piece(fn, inputs, f"{who} {piece}")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    cos, sin = placeholders[1], placeholders[2]
+    gm, piece_report, facts = rewrite_piece(gm, piece, _param_names(module), rotary_table=table, cos=cos, sin=sin)
+    report.pieces.append(piece_report)
+    if facts is None:
+        raise ImporterError(
+            f"{who} {piece} ({type(module).__name__}) computes no attention through transformers' attention "
+            "interface (config._attn_implementation); a layer that attends by hand would need its own KV cache, "
+            "which the paged engine replaces, so it cannot be imported"
+        )
+    return gm, facts
+
+
+def _verify(model: ImportedModel, hf_model: torch.nn.Module, runtime: Any) -> float:
+    """Prefill ``VERIFY_TOKENS - 1`` tokens and decode one with the imported model; compare with transformers."""
+    c, device = model.config, model.device
+    n = min(VERIFY_TOKENS, c.max_position_embeddings)
+    ids = _prompt(hf_model, c.vocab_size)[:n].to(device)
+    with torch.no_grad():
+        want = hf_model(input_ids=ids[None], use_cache=False).logits[0].float()
+    ops = runtime.bind(model.dtype)
+    block = 16
+    blocks = -(-n // block)
+    caches = [
+        tuple(torch.zeros(blocks, block, c.num_kv_heads, c.head_size, dtype=model.dtype, device=device) for _ in "kv")
+        for _ in range(c.num_layers)
+    ]
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    i32 = dict(dtype=torch.int32, device=device)
+    prefill = AttentionMetadata(
+        torch.arange(n - 1, device=device),
+        table,
+        torch.tensor([n - 1], **i32),
+        torch.tensor([0, n - 1], **i32),
+        n - 1,
+        is_decode=False,
+    )
+    decode = AttentionMetadata(
+        torch.tensor([n - 1], device=device), table, torch.tensor([n], **i32), torch.tensor([0, 1], **i32), 1, True
+    )
+    positions = torch.arange(n, device=device)
+    with torch.no_grad():
+        first = model.forward(ops, ids[: n - 1], positions[: n - 1], caches, prefill)
+        last = model.forward(ops, ids[n - 1 :], positions[n - 1 :], caches, decode)
+        got = model.compute_logits(ops, torch.cat([first, last])).float()
+    error = float((got - want).abs().max() / max(1.0, float(want.abs().max())))
+    tolerance = VERIFY_TOLERANCE.get(model.dtype, 0.1)
+    if not math.isfinite(error) or error > tolerance:
+        raise ImporterError(
+            f"{c.architecture}: the imported model's logits differ from transformers' by {error:.3g} (relative; "
+            f"allowed {tolerance:g} in {str(model.dtype).removeprefix('torch.')}) on a {n}-token check. Its "
+            "top-level forward likely does something the importer's skeleton (embedding -> layers -> norm -> LM "
+            "head) does not, such as scaled embeddings or soft-capped logits; this model is not supported (pass "
+            "verify=False only to debug the importer)"
+        )
+    return error
