@@ -49,6 +49,8 @@ class PlatformDescription:
         graph_capture: whether the platform can capture and replay a step (CUDA/HIP graphs).
         compile_backend: the ``torch.compile`` backend the platform prefers.
         memory_tiers: the tiers blocks may live in, fastest first (``"device"``, ``"pinned_host"``).
+        kv_block_size: tokens per KV-cache block the platform's attention kernels run fastest with;
+            engines use it unless the user chooses (``LLM(block_size=...)``).
     """
 
     name: str
@@ -58,6 +60,14 @@ class PlatformDescription:
     graph_capture: bool = False
     compile_backend: str = "inductor"
     memory_tiers: tuple[str, ...] = ("device",)
+    kv_block_size: int = 16
+
+    def __post_init__(self) -> None:
+        size = self.kv_block_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"platform {self.name!r}: kv_block_size must be a positive int (tokens per KV-cache block), got {size!r}"
+            )
 
 
 @dataclass(frozen=True)

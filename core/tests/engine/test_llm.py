@@ -253,6 +253,13 @@ def test_max_model_len_is_checked(llama_model, cpu_runtime):
     assert llm.max_model_len == 64  # what the cache holds, below max_position_embeddings
 
 
+def test_the_block_size_defaults_to_the_platforms_and_bad_ones_are_refused(llama_model, cpu_runtime):
+    assert make_llm(llama_model, cpu_runtime).runner.block_size == cpu_runtime.platform.kv_block_size == 16
+    for bad in (0, -16, 16.0, True, "16"):
+        with pytest.raises(ValueError, match="block_size is .* positive int"):
+            make_llm(llama_model, cpu_runtime, block_size=bad)
+
+
 def test_the_step_function_is_a_seam(llama_model, cpu_runtime, alone):
     batch, params, want = alone
     calls = []

@@ -149,7 +149,12 @@ def test_split_rule_uses_host_shapes_only():
     assert _decode_splits(8, 8, 132) == 2
     assert _decode_splits(32, 2, 132) == 1
     # the split count never exceeds its cap
-    assert _decode_splits(1, 1 << 20, 132) == 64
+    assert _decode_splits(1, 1 << 20, 132) == 256
+    # the target's knobs: programs per SM to aim at, the fewest tiles a split keeps
+    assert _decode_splits(8, 1 << 20, 132, per_sm=8) == 132
+    assert _decode_splits(8, 4096 // 64, 132, per_sm=8, min_tiles=2) == 32
+    assert _decode_splits(200, 1 << 20, 132, per_sm=4) == 3  # 200 programs: under half of 4 per SM
+    assert _decode_splits(300, 1 << 20, 132, per_sm=4) == 1  # 300: over half
 
 
 def test_decode_chooses_a_split_for_few_long_sequences():
@@ -215,6 +220,42 @@ def test_wide_tiles_on_the_interpreter():
     assert prefill_attention.check(k.prefill_attention, args, torch.float16) is None
     dargs = _decode_case(torch.float16, [31, 64, 90], 4, 4)
     assert paged_attention.check(k.paged_attention, dargs, torch.float16) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# TMA: key tiles inside one cache block, loaded through tensor descriptors (the Hopper path)
+# ------------------------------------------------------------------------------------------------
+
+TMA = dataclasses.replace(INTERPRETER if DEVICE.type == "cpu" else NATIVE, prefill_tma=True, decode_tma=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tma_tiles_match_the_reference(dtype):
+    """Blocks of two key tiles each; slots past a sequence hold NaN (the TMA box reads them)."""
+    from vllm_port.kernels.triton.attention import _kv_descriptors
+
+    block = 2 * max(TMA.attn_block_n, TMA.decode_block_n)  # two key tiles per block, on every target
+    args = _prefill_case(dtype, [37, 5, 64], [11, 40, 0], 4, 2, head_size=64, block_size=block)
+    assert _kv_descriptors(args[1], args[2], TMA.attn_block_n) is not None  # the TMA path runs
+    for window, cap in ((0, 0.0), (20, 0.0), (0, 15.0)):
+        case = (*args[:8], window, cap)
+        assert prefill_attention.check(kernels(TMA).prefill_attention, case, dtype) is None, (window, cap)
+    dargs = _decode_case(dtype, [1, 31, 64, 300], 8, 2, head_size=64, block_size=block)
+    for splits in (1, 3):
+        fn = lambda *a, s=splits: kernels(TMA)._decode(*a, num_splits=s)  # noqa: E731
+        assert paged_attention.check(fn, dargs, dtype) is None, splits
+
+
+def test_tma_falls_back_to_gathers_where_the_layout_forbids_it():
+    """16-token blocks under 32-key tiles, or heads not contiguous in a row: no descriptor, the same answer."""
+    from vllm_port.kernels.triton.attention import _kv_descriptors
+
+    wide = dataclasses.replace(TMA, attn_block_m=32, attn_block_n=32, decode_block_n=32)
+    args = _prefill_case(torch.float32, [33, 20], [0, 17], 4, 2, head_size=64, block_size=16)
+    assert _kv_descriptors(args[1], args[2], 32) is None
+    assert prefill_attention.check(kernels(wide).prefill_attention, args, torch.float32) is None
+    kc = torch.full((8, 32, 2, 2, 64), float("nan"), device=DEVICE)[:, :, :, 0]  # heads 128 apart in a row
+    assert _kv_descriptors(kc, kc, 16) is None
 
 
 def test_launchers_read_no_tensor_values_on_the_host(monkeypatch):

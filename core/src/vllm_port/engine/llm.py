@@ -138,7 +138,8 @@ class LLM:
         ``max_position_embeddings``, or what the KV cache holds when that is less.
     :param kv_cache_memory: the KV cache's budget: a fraction in (0, 1] of the device memory free
         after the weights are loaded, or bytes; never more than ``max_num_seqs`` full contexts need.
-    :param block_size: tokens per KV-cache block.
+    :param block_size: tokens per KV-cache block; default: the platform's ``kv_block_size`` (16 on CPU,
+        128 on CUDA, where attention loads whole key tiles from one block).
     :param max_num_seqs: the most requests running at once.
     :param max_num_batched_tokens: the token budget of a step (longer prompts are prefilled in chunks).
     :param enable_prefix_caching: reuse cached blocks of equal prompt prefixes across requests.
@@ -172,7 +173,7 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_memory: float | int = 0.8,
         *,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -214,6 +215,9 @@ class LLM:
                 where=f"platform {self.runtime.platform.name!r}'s device",
                 config_path=self.model_dir / "config.json",
             )
+        block_size = self.runtime.platform.kv_block_size if block_size is None else block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size is {block_size!r}; it must be a positive int (tokens per KV-cache block)")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len is {max_model_len!r}; it must be an int >= 2")
         if max_model_len is not None and max_model_len > config.max_position_embeddings:

@@ -32,6 +32,9 @@ def describe() -> PlatformDescription:
         graph_capture=True,
         compile_backend="inductor",
         memory_tiers=("device", "pinned_host"),
+        # a key tile of the attention kernels inside one block: TMA loads instead of row gathers
+        # (prefill 1.37x faster on an H200, docs/results/attention-h200.md)
+        kv_block_size=128,
     )
 
 

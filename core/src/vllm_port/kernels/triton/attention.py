@@ -29,6 +29,8 @@ that can reach such a slot is masked with ``other=0``, so nothing from them ente
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -42,10 +44,9 @@ __all__ = ["AttentionKernels"]
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in base 2: exp(x) = exp2(x * LOG2E)
 
 # Split-K (flash-decoding) policy for decode, all from host-known shapes.
-_SPLIT_IF_PROGRAMS_BELOW = 2  # split when num_seqs * num_kv_heads < this many programs per SM
-_SPLIT_TARGET = 4  # ... aiming at about this many programs per SM in all
-_MIN_TILES_PER_SPLIT = 4  # a split streams at least this many key tiles (amortises the merge)
-_MAX_SPLITS = 64
+# The target's ``decode_programs_per_sm`` says how many programs per SM to aim at (a batch already
+# giving half as many is not split) and ``decode_min_tiles_per_split`` how short a split may get.
+_MAX_SPLITS = 256
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,6 +122,9 @@ def _attend_tile(
     stride_ks,
     stride_vb,
     stride_vs,
+    k_desc,  # TMA descriptors of the caches as [num_blocks, block_size, num_kv_heads * HEAD] (TMA only)
+    v_desc,
+    kv_col,  # the KV head's first column in a descriptor row (TMA only)
     BLOCK_SIZE: tl.constexpr,
     PAGE_TILE: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
@@ -128,36 +132,56 @@ def _attend_tile(
     MASKED: tl.constexpr,  # the tile crosses the diagonal, the window edge or the sequence end
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    TMA: tl.constexpr,  # load K/V tiles with the tensor memory accelerator (needs PAGE_TILE)
+    EARLY_V: tl.constexpr,  # issue the V load with the K load (decode: two loads in flight, not one)
 ):
     """One step of the online softmax over keys ``start .. start+BLOCK_N-1``: decode (the query
     heads of one KV head, all at the last position) and prefill (a block of query rows) share it."""
     k_pos = start + offs_n
     key_ok = (k_pos < seq_len) & (k_pos >= lo)
-    if MASKED:
-        kv_mask = key_ok[:, None] & d_ok[None, :]  # other=0: slots past the sequence may hold NaN
+    if TMA:  # the whole tile is rows of one cache block: one bulk copy each for K and V
+        tile_block = tl.load(table + start // BLOCK_SIZE)
+        k = tl.reshape(k_desc.load([tile_block, start % BLOCK_SIZE, kv_col]), [offs_n.shape[0], offs_d.shape[0]])
+        v = tl.reshape(v_desc.load([tile_block, start % BLOCK_SIZE, kv_col]), [offs_n.shape[0], offs_d.shape[0]])
+        if MASKED:  # rows past the sequence may hold NaN: 0 * NaN would poison the P @ V sum
+            v = tl.where(key_ok[:, None], v, 0.0)
     else:
-        kv_mask = d_ok[None, :]
-    block, row = _page_rows(table, start, offs_n, seq_len, BLOCK_SIZE, PAGE_TILE, MASKED)
-    k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-    if USE_SOFT_CAP:
-        s = _tanh(s) * s_scale
-    if MASKED:
-        seen = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        if USE_WINDOW:
-            seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        if MASKED:
+            kv_mask = key_ok[:, None] & d_ok[None, :]  # other=0: slots past the sequence may hold NaN
+        else:
+            kv_mask = d_ok[None, :]
+        block, row = _page_rows(table, start, offs_n, seq_len, BLOCK_SIZE, PAGE_TILE, MASKED)
+        k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
+        v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        if EARLY_V:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    if USE_SOFT_CAP or MASKED:
+        s = qk * qk_scale
+        if USE_SOFT_CAP:
+            s = _tanh(s) * s_scale
+        if MASKED:
+            seen = (k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+            if USE_WINDOW:
+                seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # the hot path (every key seen, no cap): scale folded into the exponent, one FMA per score
+        # (qk_scale > 0, so the row max of the scaled scores is the scaled row max)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_use = m_new
+        p = tl.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if not TMA and not EARLY_V:  # loaded after the scores: fewer registers held across the softmax
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
     if DOT_FP32:
         p, v = p.to(tl.float32), v.to(tl.float32)
@@ -196,6 +220,8 @@ def _paged_decode_kernel(
     stride_vh,
     stride_bt,  # block_tables row stride
     num_splits,  # programs sharing one sequence's keys (a runtime value: batch sizes do not recompile)
+    k_desc,  # TMA descriptors of the caches (TMA only; see _kv_descriptors)
+    v_desc,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's minimum M)
     HEAD_SIZE: tl.constexpr,
@@ -208,6 +234,8 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32), None for 16-bit inputs
     DOT_FP32: tl.constexpr,  # feed tl.dot float32 operands (CPU interpreter only, see _dot_fp32)
+    EARLY_V: tl.constexpr,  # the target's decode_early_v
+    TMA: tl.constexpr,  # K/V tiles through the tensor memory accelerator (every tile inside one cache block)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -253,7 +281,8 @@ def _paged_decode_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
             s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-            BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+            k_desc, v_desc, kv_head * HEAD_SIZE, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION,
+            DOT_FP32, TMA, EARLY_V,
         )  # fmt: skip
 
     if not SPLIT:
@@ -331,6 +360,8 @@ def _prefill_kernel(
     stride_vs,
     stride_vh,
     stride_bt,  # block_tables row stride
+    k_desc,  # TMA descriptors of the caches (TMA only; see _kv_descriptors)
+    v_desc,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -342,6 +373,8 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,  # the unmasked loop with producer/consumer warps (target's choice)
+    TMA: tl.constexpr,  # K/V tiles through the tensor memory accelerator (every tile inside one cache block)
 ):
     # Causal blocks late in a sequence do the most work: launch them first so the short ones fill the tail.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -391,6 +424,7 @@ def _prefill_kernel(
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         k_head = kv_head.to(tl.int64) * stride_kh
         v_head = kv_head.to(tl.int64) * stride_vh
+        kv_col = kv_head * HEAD_SIZE
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -398,19 +432,22 @@ def _prefill_kernel(
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+                k_desc, v_desc, kv_col, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+                TMA, False,
             )  # fmt: skip
-        for tile in range(u_begin, u_end):  # seen by every row: no mask
+        for tile in tl.range(u_begin, u_end, warp_specialize=WARP_SPECIALIZE):  # seen by every row: no mask
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, False, DOT_PRECISION, DOT_FP32,
+                k_desc, v_desc, kv_col, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, False, DOT_PRECISION, DOT_FP32,
+                TMA, False,
             )  # fmt: skip
         for tile in range(u_end, t_end):  # the diagonal
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+                k_desc, v_desc, kv_col, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
+                TMA, False,
             )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -428,31 +465,66 @@ def _num_sms(device: torch.device) -> int:
     return compute_units(device, default=4)  # the interpreter: a few "SMs" so tiny test batches exercise the split path
 
 
-def _decode_splits(num_programs: int, max_tiles: int, num_sms: int) -> int:
+def _decode_splits(num_programs: int, max_tiles: int, num_sms: int, per_sm: int = 4, min_tiles: int = 4) -> int:
     """How many ways to split each sequence's keys, from shapes known on the host.
 
-    No split while ``num_seqs * num_kv_heads`` programs already give every SM two or more;
-    otherwise aim at ``_SPLIT_TARGET`` programs per SM, each split keeping at least
-    ``_MIN_TILES_PER_SPLIT`` key tiles of the longest sequence the block table can describe.
+    No split while ``num_seqs * num_kv_heads`` programs already give every SM half of ``per_sm``;
+    otherwise aim at ``per_sm`` programs per SM, each split keeping at least ``min_tiles`` key
+    tiles of the longest sequence the block table can describe (fewer make the merge the cost).
     """
-    if num_programs <= 0 or num_programs >= _SPLIT_IF_PROGRAMS_BELOW * num_sms:
+    if num_programs <= 0 or 2 * num_programs >= per_sm * num_sms:
         return 1
-    wanted = triton.cdiv(_SPLIT_TARGET * num_sms, num_programs)
-    return max(1, min(wanted, triton.cdiv(max_tiles, _MIN_TILES_PER_SPLIT), _MAX_SPLITS))
+    wanted = triton.cdiv(per_sm * num_sms, num_programs)
+    return max(1, min(wanted, triton.cdiv(max_tiles, min_tiles), _MAX_SPLITS))
 
 
-def _tiles(target: TritonTarget, head_pad: int, elem_size: int) -> tuple[int, int, int]:
-    """``(block_m, block_n, stages)``: the target's, shrunk for rows wider than bf16 x 128 (head 256, float32).
+def _tiles(target: TritonTarget, head_pad: int, elem_size: int, decode: bool = False) -> tuple[int, int, int]:
+    """``(block_m, block_n, stages)``: the target's (prefill's or ``decode``'s), shrunk for rows wider than
+    bf16 x 128 (head 256, float32).
 
     K/V tiles are ``block_n * head_pad * elem_size`` bytes, buffered up to ``stages`` deep in shared
     memory, and the accumulator is ``block_m * head_pad`` float32 registers: both are halved per doubling
     of the row past 256 bytes (CUDA: 128/64 for bf16 x 128, 64/32 for float32 x 128 or bf16 x 256).
     """
     block_m, block_n, stages = target.attn_block_m, target.attn_block_n, target.attn_stages
+    if decode:
+        block_n, stages = target.decode_block_n or block_n, target.decode_stages or stages
     row_bytes = head_pad * elem_size
     for _ in range(max(0, (row_bytes // 256).bit_length() - 1)):  # halve per doubling of the row
         block_m, block_n, stages = max(16, block_m // 2), max(16, block_n // 2), max(1, min(stages, 2))
     return block_m, block_n, stages
+
+
+def _kv_descriptors(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int) -> tuple[Any, Any] | None:
+    """TMA descriptors of both caches as ``[num_blocks, block_size, num_kv_heads * head]`` with ``[1, block_n, head]``
+    boxes, or None where the layout does not allow them (then the kernel gathers rows with pointer loads).
+
+    A box must lie inside one cache block (``block_size % block_n == 0``), a KV head's features must be contiguous
+    and follow each other in a row, the head a power of two, and every stride and the base 16-byte aligned.
+    """
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # a Triton without host-side descriptors
+        return None
+    descriptors = []
+    for cache in (key_cache, value_cache):
+        num_blocks, block_size, num_kv_heads, head = cache.shape
+        sb, ss, sh, sd = cache.stride()
+        size = cache.element_size()
+        if (
+            block_size % block_n
+            or sd != 1
+            or sh != head
+            or head & (head - 1)
+            or (sb * size) % 16
+            or (ss * size) % 16
+            or cache.data_ptr() % 16
+        ):
+            return None
+        descriptors.append(
+            TensorDescriptor(cache, [num_blocks, block_size, num_kv_heads * head], [sb, ss, 1], [1, block_n, head])
+        )
+    return descriptors[0], descriptors[1]
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -509,10 +581,17 @@ class AttentionKernels:
             return out
         group = num_heads // num_kv_heads
         head_pad = triton.next_power_of_2(head_size)
-        _, block_n, stages = _tiles(self.target, head_pad, key_cache.element_size())
+        _, block_n, stages = _tiles(self.target, head_pad, key_cache.element_size(), decode=True)
         if num_splits is None:
             max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)  # of the longest sequence possible
-            num_splits = _decode_splits(num_seqs * num_kv_heads, max_tiles, _num_sms(query.device))
+            num_splits = _decode_splits(
+                num_seqs * num_kv_heads,
+                max_tiles,
+                _num_sms(query.device),
+                self.target.decode_programs_per_sm,
+                self.target.decode_min_tiles_per_split,
+            )
+        descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.decode_tma else None
         if num_splits > 1:
             part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, device=query.device, dtype=torch.float32)
             part_m = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
@@ -526,7 +605,7 @@ class AttentionKernels:
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-            block_tables.stride(0), num_splits,
+            block_tables.stride(0), num_splits, *(descriptors or (None, None)),
             GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_SIZE=head_size,
@@ -539,7 +618,9 @@ class AttentionKernels:
             USE_WINDOW=sliding_window > 0,
             DOT_PRECISION=_dot_precision(query.dtype),
             DOT_FP32=_dot_fp32(query),
-            num_warps=min(self.target.attn_warps, 4),  # a [16, BLOCK_N] score tile: more warps only add sync
+            EARLY_V=self.target.decode_early_v,
+            TMA=descriptors is not None,
+            num_warps=self.target.decode_warps,
             num_stages=stages,
         )  # fmt: skip
         if num_splits > 1:
@@ -584,6 +665,7 @@ class AttentionKernels:
         head_pad = triton.next_power_of_2(head_size)
         block_m, block_n, stages = _tiles(self.target, head_pad, query.element_size())
         grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+        descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.prefill_tma else None
         _prefill_kernel[grid](
             out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
             float(scale), float(soft_cap), int(sliding_window),
@@ -591,6 +673,7 @@ class AttentionKernels:
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             block_tables.stride(0),
+            *(descriptors or (None, None)),
             GROUP=num_heads // num_kv_heads,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -602,6 +685,8 @@ class AttentionKernels:
             USE_WINDOW=sliding_window > 0,
             DOT_PRECISION=_dot_precision(query.dtype),
             DOT_FP32=_dot_fp32(query),
+            WARP_SPECIALIZE=self.target.prefill_warp_specialize,
+            TMA=descriptors is not None,
             num_warps=self.target.attn_warps,
             num_stages=stages,
         )  # fmt: skip

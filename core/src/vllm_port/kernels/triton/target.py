@@ -46,6 +46,19 @@ class TritonTarget:
         attn_block_n: keys per step in prefill and decode attention.
         attn_warps: warps per attention program.
         attn_stages: software-pipelining depth of attention's K/V loads.
+        decode_block_n: keys per step in decode attention (0: ``attn_block_n``).
+        decode_warps: warps per decode-attention program (its score tile is only ``[16, block_n]``).
+        decode_stages: pipelining depth of decode's K/V loads (0: ``attn_stages``).
+        decode_programs_per_sm: decode splits each sequence's keys (flash-decoding) until about this
+            many programs per multiprocessor run; more keep more loads in flight at small batch.
+        decode_min_tiles_per_split: the fewest key tiles a split streams (its partial is merged after).
+        decode_early_v: decode issues each tile's V load together with its K load.
+        decode_tma: decode loads K/V tiles with TMA descriptors where every key tile lies inside one
+            cache block (as ``prefill_tma``).
+        prefill_tma: prefill loads K/V tiles with TMA descriptors where every key tile lies inside one
+            cache block (block size a multiple of ``attn_block_n``); otherwise it gathers rows.
+        prefill_warp_specialize: run prefill's unmasked key loop with Triton's warp specialisation
+            (producer warps load K/V while consumer warps compute), where the compiler offers it.
         linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
             kernel serves; more go to the vendor BLAS (``F.linear``). 0 declines ``linear`` at bind time.
         linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
@@ -61,6 +74,15 @@ class TritonTarget:
     attn_block_n: int = 64
     attn_warps: int = 8
     attn_stages: int = 3
+    decode_block_n: int = 0
+    decode_warps: int = 4
+    decode_stages: int = 0
+    decode_programs_per_sm: int = 4
+    decode_min_tiles_per_split: int = 4
+    decode_early_v: bool = False
+    decode_tma: bool = False
+    prefill_tma: bool = False
+    prefill_warp_specialize: bool = False
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
@@ -73,7 +95,26 @@ class TritonTarget:
 #: the reduction split only where fewer than 4 programs per multiprocessor would run.
 #: Until that measurement, ``linear`` stays with cuBLAS on CUDA too (``linear_max_rows=0``): a kernel
 #: binds by default only where it has been measured faster than the library it replaces.
-CUDA = TritonTarget("cuda", elementwise_block=2048, linear_max_rows=0)
+#: Attention (dev/tune_attention.py on an H200, docs/results/attention-h200.md): prefill takes 128 x 128
+#: tiles over 8 warps, with TMA where a key tile lies inside one cache block (the platform's 128-token
+#: blocks: 464 TFLOP/s against 340 for gathered 16-token blocks); decode streams 64-key tiles over 4 warps,
+#: 2 stages deep, and splits each sequence's keys until about 8 programs per SM run.
+CUDA = TritonTarget(
+    "cuda",
+    elementwise_block=2048,
+    attn_block_m=128,
+    attn_block_n=128,
+    attn_warps=8,
+    attn_stages=3,
+    decode_block_n=64,
+    decode_warps=4,
+    decode_stages=2,
+    decode_programs_per_sm=8,
+    decode_min_tiles_per_split=4,
+    decode_tma=True,
+    prefill_tma=True,
+    linear_max_rows=0,
+)
 #: AMD CDNA (MI200/MI300): 64-wide wavefronts, shallow pipelines (LDS is smaller than Hopper's shared memory).
 #: ``linear`` stays with hipBLASLt (``linear_max_rows=0``) until the split-K kernel is measured against it;
 #: its tiles are single-buffered to fit 64 KiB of LDS.
