@@ -262,3 +262,20 @@ def test_collectives_are_recognised_by_their_library_names():
 def test_a_context_past_the_models_positions_is_refused(capsys):
     assert main(["profile", *QUICK, "--context", "100000"]) == 2
     assert "max_position_embeddings" in capsys.readouterr().err
+
+
+def test_device_work_goes_to_the_range_it_ran_in():
+    """Kernels are given to node ranges by time stamp (Triton's driver-API launches carry no link to a range)."""
+    from vllm_port.profile.collect import attribute_device_work
+
+    ranges = [(0.0, 10.0, "rms_norm"), (10.0, 30.0, "linear"), (40.0, 50.0, "rms_norm"), (50.0, 90.0, "linear")]
+    work = [
+        (2.0, 6.0),  # rms_norm, first step
+        (12.0, 20.0),
+        (20.0, 29.0),  # two kernels of one linear
+        (31.0, 38.0),  # between ranges (the step's own work): nobody's
+        (55.0, 95.0),  # midpoint 75, inside the second linear though it ends after the range
+        (41.0, 43.0),
+    ]
+    assert attribute_device_work(list(reversed(ranges)), work) == {"rms_norm": [4.0, 2.0], "linear": [17.0, 40.0]}
+    assert attribute_device_work(ranges, []) == {"rms_norm": [0.0, 0.0], "linear": [0.0, 0.0]}

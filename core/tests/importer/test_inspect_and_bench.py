@@ -39,3 +39,13 @@ def test_the_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     assert all(r["same_tokens"] for r in rows if r["model"] == "imported")
     table = bench.render(result)
     assert table.count("\n| 1 |") == 2 and "| batch | model | decode tok/s |" in table
+
+
+def test_the_benchmark_reports_an_existing_checkpoints_shape(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "llama")
+    result = bench.run(bench.TINY_WORKLOAD, [1], "cpu", "eager", model_dir=str(path))
+    from vllm_port.models import load_config
+
+    config = load_config(path)
+    assert result["workload"]["hidden_size"] == config.hidden_size
+    assert result["workload"]["num_layers"] == config.num_layers

@@ -111,6 +111,24 @@ def _decode_rate(model_dir: Path, importer: str | None, w: Workload, batch: int,
             torch.cuda.empty_cache()
 
 
+def _shape_of(path: Path, w: Workload) -> Workload:
+    """``w`` with the model shape of the checkpoint at ``path`` (its config.json)."""
+    from ..models import load_config
+
+    c = load_config(path)
+    return replace(
+        w,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_layers,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        vocab_size=c.vocab_size,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+
+
 def run(
     w: Workload,
     batches: list[int],
@@ -126,6 +144,8 @@ def run(
         path = Path(model_dir or save_model or scratch)
         if not (path / "config.json").is_file():
             build_model(path, w, device="cuda" if device.startswith("cuda") and torch.cuda.is_available() else "cpu")
+        else:  # an existing checkpoint: report its shape, not the workload's defaults
+            w = _shape_of(path, w)
         rows = []
         for batch in batches:
             for name, importer in (("core", None), ("imported", "hf")):
@@ -167,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,64", help="decode batch sizes, comma-separated")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--dtype", default=None, help="the models' dtype (default: bfloat16 with --h200, else float32)")
     parser.add_argument("--model", default=None, help="an existing checkpoint directory (Llama) to use")
     parser.add_argument("--save-model", default=None, help="build the random model here, or reuse the one there")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
@@ -178,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.tiny
         else Workload()
     )
-    w = replace(w, prompt_len=args.prompt_len or w.prompt_len, output_len=args.output_len or w.output_len)
+    w = replace(
+        w,
+        prompt_len=args.prompt_len or w.prompt_len,
+        output_len=args.output_len or w.output_len,
+        dtype=args.dtype or w.dtype,
+    )
     batches = [int(b) for b in args.batches.split(",")]
     result = run(w, batches, args.device, args.step, args.model, args.save_model)
     print(render(result))

@@ -8,14 +8,18 @@ so profiling costs nothing when it is off. One profiler session runs ``repeats``
 time is the median over them, and its spread half their interquartile range, so a comparison
 against a baseline can tell change from noise.
 
-A node's time is its device time (the kernels it launched, from the profiler's device activity)
-where the platform has profiler device activity (CUDA and ROCm through CUPTI/roctracer, XPU), its
-host time otherwise (CPU). The step's wall time comes from ``torch.utils.benchmark`` on the plain
+A node's time is its device time where the platform has profiler device activity (CUDA and ROCm
+through CUPTI/roctracer, XPU), its host time otherwise (CPU). On a device each range ends with a
+synchronisation, so the kernels a node launched run inside it, and the device work (kernels,
+copies, sets) is given to the range it ran in by time stamp: the profiler's own link from a kernel to
+its launching call misses launches through the driver API (Triton's), which would leave every
+Triton kernel without a node. The step's wall time comes from ``torch.utils.benchmark`` on the plain
 step, unprofiled; the sum of node times over it is how much of the step the profile explains.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import platform as host_platform
@@ -36,7 +40,7 @@ from ..flat.trace import StepInputs
 from ..memory import KVCache, KVLayout
 from .schema import FORMAT, PHASES, SCHEMA_VERSION, STACK_LAYERS, ProfileError
 
-__all__ = ["collective_name", "identity", "profile_model"]
+__all__ = ["attribute_device_work", "collective_name", "identity", "profile_model"]
 
 #: Prefix of every profiler range this module opens.
 LABEL = "vllm_port.profile"
@@ -103,18 +107,21 @@ def _batch(
     return ids.to(device), positions.to(device), meta, (cu_seqlens[1:] - 1).to(device)
 
 
-def _ranged(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run inside a profiler range called ``label``."""
+def _ranged(label: str, fn: Callable[..., Any], sync: Callable[[], None] | None = None) -> Callable[..., Any]:
+    """``fn`` run inside a profiler range called ``label``; ``sync`` (the device's) ends the range after its work."""
 
     def ranged(*args: Any, **kwargs: Any) -> Any:
         with record_function(label):
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            if sync is not None:
+                sync()
+            return out
 
     ranged.__name__ = ranged.__qualname__ = re.sub(r"\W", "_", label)  # fx code generation needs identifiers
     return ranged
 
 
-def _instrumented(graph: FlatGraph) -> fx.GraphModule:
+def _instrumented(graph: FlatGraph, sync: Callable[[], None] | None = None) -> fx.GraphModule:
     """A copy of ``graph``'s eager module whose kernel nodes (every node but shape arithmetic) run in ranges."""
     module = graph.eager_module()
     by_fx_name = {graph.fx_node(n.name).name: n for n in graph.nodes if n.kind != "shape"}
@@ -122,7 +129,7 @@ def _instrumented(graph: FlatGraph) -> fx.GraphModule:
     for node in module.graph.nodes:  # the eager module's graph is a copy: fx keeps the node names
         flat = by_fx_name.get(node.name) if node.op == "call_function" else None
         if flat is not None:
-            node.target = _ranged(f"{LABEL}/{graph.phase}/{flat.name}", node.target)
+            node.target = _ranged(f"{LABEL}/{graph.phase}/{flat.name}", node.target, sync)
             wrapped += 1
     if wrapped != len(by_fx_name):
         raise ProfileError(
@@ -150,10 +157,11 @@ def _make_step(flat: FlatModel, phase: str, caches: list[tuple[torch.Tensor, tor
     ids, positions, meta, rows = inputs
     graph = flat.graph(phase)
     args = graph_inputs(ids, positions, caches, meta)
-    ranged_graph = _instrumented(graph)
+    sync = None if ids.device.type == "cpu" else (lambda: _synchronize(ids.device))
+    ranged_graph = _instrumented(graph, sync)
     head = flat.kernels.providers["linear"]
-    select = _ranged(f"{LABEL}/{phase}/logits_rows", torch.index_select)
-    lm_head = _ranged(f"{LABEL}/{phase}/lm_head", flat.compute_logits)
+    select = _ranged(f"{LABEL}/{phase}/logits_rows", torch.index_select, sync)
+    lm_head = _ranged(f"{LABEL}/{phase}/lm_head", flat.compute_logits, sync)
 
     def run() -> torch.Tensor:
         return flat.compute_logits(graph(*args).index_select(0, rows))
@@ -231,14 +239,17 @@ def _profiled(
                 step.run_ranged()
         _synchronize(device)
     host: dict[str, list[float]] = {}
-    dev: dict[str, list[float]] = {}
     steps: list[float] = []
     gaps: list[float] = []
     comm: list[dict[str, Any]] = []
     prefix = f"{LABEL}/{step.phase}/"
+    ranges: list[tuple[float, float, str]] = []
+    device_work: list[tuple[float, float]] = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
-            continue  # the device-side copies of the ranges (gpu_user_annotation) are read through their CPU side
+            if not event.name.startswith(LABEL):  # not a device-side copy of a range (gpu_user_annotation)
+                device_work.append((event.time_range.start, event.time_range.end))
+            continue
         if event.name == step_label:
             steps.append(event.cpu_time_total)
             in_nodes = sum(c.cpu_time_total for c in event.cpu_children if c.name.startswith(prefix))
@@ -246,10 +257,33 @@ def _profiled(
         elif event.name.startswith(prefix):
             label = event.name[len(prefix) :]
             host.setdefault(label, []).append(event.cpu_time_total)
-            dev.setdefault(label, []).append(event.device_time_total)
+            ranges.append((event.time_range.start, event.time_range.end, label))
         elif collective_name(event.name):
             comm.append({"name": event.name, "host_us": event.cpu_time_total, "device_us": event.device_time_total})
-    return host, dev, steps, gaps, comm
+    return host, attribute_device_work(ranges, device_work), steps, gaps, comm
+
+
+def attribute_device_work(
+    ranges: Sequence[tuple[float, float, str]], work: Sequence[tuple[float, float]]
+) -> dict[str, list[float]]:
+    """Device time (µs) of each range instance: the work items ``(start, end)`` whose midpoint falls inside it.
+
+    ``ranges`` are ``(start, end, label)`` of the node ranges on the profiler's clock, which the device
+    activity shares; a label's list has one entry per instance, in time order. Work outside every range
+    (between nodes, or outside the steps) is nobody's.
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    starts = [ranges[i][0] for i in order]
+    totals = [0.0] * len(ranges)
+    for begin, end in work:
+        mid = (begin + end) / 2
+        at = bisect.bisect_right(starts, mid) - 1
+        if at >= 0 and mid <= ranges[order[at]][1]:
+            totals[order[at]] += end - begin
+    found: dict[str, list[float]] = {}
+    for i in order:
+        found.setdefault(ranges[i][2], []).append(totals[i])
+    return found
 
 
 def collective_name(name: str) -> str | None:
