@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..models.llama import paged_attention_step
 from ._trace import attention_marker
 
 __all__ = [
@@ -142,25 +143,7 @@ def contract_attention(
     its output layout (``[1, tokens, heads, head_size]``).
     """
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
-    ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-    if meta.is_decode:
-        out = ops.paged_attention(
-            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, soft_cap
-        )
-    else:
-        out = ops.prefill_attention(
-            q,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.cu_seqlens_q,
-            meta.seq_lens,
-            meta.max_query_len,
-            scale,
-            sliding_window,
-            soft_cap,
-        )
-    return out.unsqueeze(0)
+    return paged_attention_step(ops, q, k, v, (key_cache, value_cache), meta, scale, sliding_window, soft_cap)[None]
 
 
 _CONTRACT_CALLS: dict[Callable[..., Any], tuple[str, ...]] = {

@@ -24,7 +24,14 @@ from ..ops import BoundOps
 from .config import ModelConfig, load_config
 from .loader import check_dtype, expected_weights, load_weights
 
-__all__ = ["AttentionMetadata", "LlamaModel", "load_model", "rope_cos_sin_cache", "rope_inverse_frequencies"]
+__all__ = [
+    "AttentionMetadata",
+    "LlamaModel",
+    "load_model",
+    "paged_attention_step",
+    "rope_cos_sin_cache",
+    "rope_inverse_frequencies",
+]
 
 
 @dataclass
@@ -72,6 +79,41 @@ def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tenso
     angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None]
     angles = angles * rope_inverse_frequencies(config)[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
+
+
+def paged_attention_step(
+    ops: BoundOps,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+) -> torch.Tensor:
+    """One layer's attention over the paged cache: the step's keys and values written, then decode or prefill.
+
+    ``q`` is ``[tokens, heads, head_size]``, ``k``/``v`` ``[tokens, kv_heads, head_size]``; returns ``q``'s shape.
+    """
+    key_cache, value_cache = kv_cache
+    ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    if meta.is_decode:
+        return ops.paged_attention(
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, soft_cap
+        )
+    return ops.prefill_attention(
+        q,
+        key_cache,
+        value_cache,
+        meta.block_tables,
+        meta.cu_seqlens_q,
+        meta.seq_lens,
+        meta.max_query_len,
+        scale,
+        sliding_window,
+        soft_cap,
+    )
 
 
 @dataclass
@@ -188,24 +230,7 @@ class LlamaModel:
         q = q.unflatten(-1, (c.num_heads, c.head_size))  # views: [tokens, heads, head_size]
         k = k.unflatten(-1, (c.num_kv_heads, c.head_size))
         v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
-        key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        if meta.is_decode:
-            out = ops.paged_attention(
-                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale, c.sliding_window
-            )
-        else:
-            out = ops.prefill_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta.block_tables,
-                meta.cu_seqlens_q,
-                meta.seq_lens,
-                meta.max_query_len,
-                self.scale,
-                c.sliding_window,
-            )
+        out = paged_attention_step(ops, q, k, v, kv_cache, meta, self.scale, c.sliding_window)
         return ops.linear(out.flatten(-2), layer.o_weight, layer.o_bias)
 
     def _mlp(self, ops: BoundOps, layer: _Layer, hidden: torch.Tensor) -> torch.Tensor:
