@@ -264,9 +264,9 @@ def test_a_context_past_the_models_positions_is_refused(capsys):
     assert "max_position_embeddings" in capsys.readouterr().err
 
 
-def test_device_work_goes_to_the_range_it_ran_in():
+def test_device_work_goes_to_the_innermost_range_it_ran_in():
     """Kernels are given to node ranges by time stamp (Triton's driver-API launches carry no link to a range)."""
-    from vllm_port.profile.collect import attribute_device_work
+    from vllm_port.profile.timeline import attribute_device_work
 
     ranges = [(0.0, 10.0, "rms_norm"), (10.0, 30.0, "linear"), (40.0, 50.0, "rms_norm"), (50.0, 90.0, "linear")]
     work = [
@@ -277,5 +277,12 @@ def test_device_work_goes_to_the_range_it_ran_in():
         (55.0, 95.0),  # midpoint 75, inside the second linear though it ends after the range
         (41.0, 43.0),
     ]
-    assert attribute_device_work(list(reversed(ranges)), work) == {"rms_norm": [4.0, 2.0], "linear": [17.0, 40.0]}
-    assert attribute_device_work(ranges, []) == {"rms_norm": [0.0, 0.0], "linear": [0.0, 0.0]}
+    got = attribute_device_work(list(reversed(ranges)), work)
+    assert got.per_label == {"rms_norm": [4.0, 2.0], "linear": [17.0, 40.0]}
+    assert got.outside_us == 7.0 and got.total_us == 70.0 and got.inside_share == 0.9
+    empty = attribute_device_work(ranges, [])
+    assert empty.per_label == {"rms_norm": [0.0, 0.0], "linear": [0.0, 0.0]} and empty.inside_share == 1.0
+    # nested ranges: work goes to the innermost open one, and back to the outer one after the inner ends
+    nested = [(0.0, 100.0, "lm_head"), (10.0, 20.0, "linear"), (30.0, 40.0, "linear")]
+    got = attribute_device_work(nested, [(1.0, 3.0), (12.0, 14.0), (24.0, 26.0), (35.0, 37.0), (150.0, 160.0)])
+    assert got.per_label == {"lm_head": [4.0], "linear": [2.0, 2.0]} and got.outside_us == 10.0

@@ -10,16 +10,13 @@ against a baseline can tell change from noise.
 
 A node's time is its device time where the platform has profiler device activity (CUDA and ROCm
 through CUPTI/roctracer, XPU), its host time otherwise (CPU). On a device each range ends with a
-synchronisation, so the kernels a node launched run inside it, and the device work (kernels,
-copies, sets) is given to the range it ran in by time stamp: the profiler's own link from a kernel to
-its launching call misses launches through the driver API (Triton's), which would leave every
-Triton kernel without a node. The step's wall time comes from ``torch.utils.benchmark`` on the plain
+synchronisation and device work is given to the range it ran in by time stamp
+(:mod:`vllm_port.profile.timeline`: the profiler's own links miss Triton's launches). The step's wall time comes from ``torch.utils.benchmark`` on the plain
 step, unprofiled; the sum of node times over it is how much of the step the profile explains.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import platform as host_platform
@@ -39,8 +36,9 @@ from ..flat import FlatGraph, FlatModel, graph_inputs
 from ..flat.trace import StepInputs
 from ..memory import KVCache, KVLayout
 from .schema import FORMAT, PHASES, SCHEMA_VERSION, STACK_LAYERS, ProfileError
+from .timeline import Attribution, attribute_device_work
 
-__all__ = ["attribute_device_work", "collective_name", "identity", "profile_model"]
+__all__ = ["collective_name", "identity", "profile_model"]
 
 #: Prefix of every profiler range this module opens.
 LABEL = "vllm_port.profile"
@@ -228,9 +226,9 @@ def _wall_time(run: Callable[[], Any], min_run_time: float) -> tuple[float, floa
 
 def _profiled(
     step: _Step, repeats: int, activity: ProfilerActivity | None, device: torch.device
-) -> tuple[dict[str, list[float]], dict[str, list[float]], list[float], list[float], list[dict[str, Any]]]:
-    """Per node label: host and device times (µs) of each repeat; each profiled step's host time and the part
-    of it outside every node; collectives seen."""
+) -> tuple[dict[str, list[float]], Attribution, list[float], list[float], list[dict[str, Any]]]:
+    """Per node label: host times (µs) of each repeat, and the device work given to each; each profiled step's
+    host time and the part of it outside every node; collectives seen."""
     activities = [ProfilerActivity.CPU] + ([activity] if activity is not None else [])
     step_label = f"{LABEL}/{step.phase}/step"
     with torch.profiler.profile(activities=activities) as prof:
@@ -247,7 +245,8 @@ def _profiled(
     device_work: list[tuple[float, float]] = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
-            if not event.name.startswith(LABEL):  # not a device-side copy of a range (gpu_user_annotation)
+            # device-side copies of host ranges (ours, nccl:all_reduce...) are spans, not work
+            if not getattr(event, "is_user_annotation", False) and not event.name.startswith(LABEL):
                 device_work.append((event.time_range.start, event.time_range.end))
             continue
         if event.name == step_label:
@@ -261,29 +260,6 @@ def _profiled(
         elif collective_name(event.name):
             comm.append({"name": event.name, "host_us": event.cpu_time_total, "device_us": event.device_time_total})
     return host, attribute_device_work(ranges, device_work), steps, gaps, comm
-
-
-def attribute_device_work(
-    ranges: Sequence[tuple[float, float, str]], work: Sequence[tuple[float, float]]
-) -> dict[str, list[float]]:
-    """Device time (µs) of each range instance: the work items ``(start, end)`` whose midpoint falls inside it.
-
-    ``ranges`` are ``(start, end, label)`` of the node ranges on the profiler's clock, which the device
-    activity shares; a label's list has one entry per instance, in time order. Work outside every range
-    (between nodes, or outside the steps) is nobody's.
-    """
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-    starts = [ranges[i][0] for i in order]
-    totals = [0.0] * len(ranges)
-    for begin, end in work:
-        mid = (begin + end) / 2
-        at = bisect.bisect_right(starts, mid) - 1
-        if at >= 0 and mid <= ranges[order[at]][1]:
-            totals[order[at]] += end - begin
-    found: dict[str, list[float]] = {}
-    for i in order:
-        found.setdefault(ranges[i][2], []).append(totals[i])
-    return found
 
 
 def collective_name(name: str) -> str | None:
@@ -333,7 +309,8 @@ def _phase_report(
     _synchronize(device)
     step_us, step_spread, calls = _wall_time(step.run, min_run_time)
     peak = _step_peak_bytes(step.run, device)
-    host, dev, profiled_steps, gaps, comm = _profiled(step, repeats, activity, device)
+    host, attribution, profiled_steps, gaps, comm = _profiled(step, repeats, activity, device)
+    dev = attribution.per_label
     use_device = activity is not None and any(v > 0 for times in dev.values() for v in times)
     nodes = []
     for node in step.nodes:
@@ -385,6 +362,8 @@ def _phase_report(
         "explained_against": against,
         "unattributed_us": unattributed,
         "timer": "device" if use_device else "host",
+        # device time inside some node's range: far below 1 means the host and device clocks disagree
+        "device_work_in_nodes": attribution.inside_share if use_device else None,
         "step_peak_bytes": peak,
         "tokens": int(step.input_ids.shape[0]),
         "nodes": nodes,
@@ -622,7 +601,7 @@ def profile_model(
     context: int = 256,
     phases: Sequence[str] = PHASES,
     repeats: int = 10,
-    block_size: int = 16,
+    block_size: int | None = None,
     compile: bool = False,
     min_run_time: float = 0.5,
     model_dir: str = "",
@@ -635,9 +614,11 @@ def profile_model(
     :param compile: also compile each phase with the ``vllm_port`` backend and report the graph
         layer's compile time, pieces and graph breaks, and the compiled step's time.
     :param min_run_time: seconds spent timing each plain step's wall time.
+    :param block_size: tokens per KV-cache block; default the platform's ``kv_block_size`` (the engine's layout).
     :raises ProfileError: for options the model cannot run (a context past its positions).
     """
     dtype = dtype or model.dtype
+    block_size = block_size or runtime.platform.kv_block_size
     _check_options(model, batch, context, repeats, phases)
     device = runtime.device
     flat = FlatModel(model, runtime, dtype, compile=False, block_size=block_size)
@@ -713,7 +694,10 @@ def profile_model(
 
 def _timer_note(timer: str, activity: ProfilerActivity | None, device: torch.device) -> str:
     if timer == "device":
-        return f"device time: the kernels each node launched ({activity.name} activity of torch.profiler)"
+        return (
+            f"device time: the device work ({activity.name} activity of torch.profiler) that ran inside each "
+            "node's range, each range closed by a synchronisation"
+        )
     if activity is not None:
         return f"host time: torch.profiler recorded no {activity.name} kernel time on {device}"
     return f"host time: torch.profiler has no device activity for {device.type} (record_function ranges)"
