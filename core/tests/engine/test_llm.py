@@ -260,6 +260,14 @@ def test_the_block_size_defaults_to_the_platforms_and_bad_ones_are_refused(llama
             make_llm(llama_model, cpu_runtime, block_size=bad)
 
 
+def test_the_cache_holds_max_num_seqs_sequences_in_whole_blocks(llama_model, cpu_runtime):
+    """8 sequences of 48 tokens take 8 blocks of 128 (one each), not the 3 their 384 tokens would fill."""
+    llm = make_llm(llama_model, cpu_runtime, block_size=128, max_model_len=48, max_num_seqs=8, kv_cache_memory=0.5)
+    assert llm.runner.pool.num_blocks == 8
+    outs = llm.generate(prompts([16] * 8), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+
+
 def test_the_step_function_is_a_seam(llama_model, cpu_runtime, alone):
     batch, params, want = alone
     calls = []

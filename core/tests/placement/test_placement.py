@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_harness import Conversation
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_port.flat import FlatModel
+from vllm_port.flat.graph import op_targets
 from vllm_port.placement import PlacedModel, load_many, place
 
 MLP_ON_B = [{"platform": "cpu-b", "part": "mlp"}]
@@ -56,14 +58,13 @@ def test_placed_logits_equal_unplaced(llama, platforms, policy: str, passes: boo
     assert placed.stats.count > 0
 
 
-def _cut_edges(placed) -> dict[tuple[str, str], int]:
+def _cut_edges(placed, engine: str = "cpu") -> dict[tuple[str, str], int]:
     """Per direction, the values read on a platform that holds no current copy: read from the unplaced graph.
 
     A value has a copy where it was made; a read elsewhere is a cut edge and leaves a copy there; an
     in-place write leaves the written platform's copy the only current one.
     """
-    where = dict(placed.assignment)
-    engine = "cpu"  # the batch's inputs come from the engine's platform, the first loaded
+    where = dict(placed.assignment)  # the batch's inputs come from the engine's platform, the first loaded
     copies = {name: {placed.cache_platforms.get(name, engine)} for name in placed.graph.input_names}
     found: dict[tuple[str, str], int] = {}
     for node in placed.graph.nodes:
@@ -150,3 +151,108 @@ def _decode_graph(llama, platforms):
     from vllm_port.flat import apply_passes, trace
 
     return apply_passes(trace(llama, platforms.default.bind(torch.float32), phase="decode"))
+
+
+class _Copies(TorchDispatchMode):
+    """Every op that copies tensor data (``to``, ``_to_copy``, ``copy_``, ``clone``) with the storages it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[tuple[str, int]] = []
+        self.moves = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name.startswith(("aten.to.", "aten._to_copy", "aten.copy_", "aten.clone")):
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    self.read.append((name, arg.untyped_storage().data_ptr()))
+            self.moves += name.startswith("aten.to.") and bool(kwargs.get("copy"))
+        return func(*args, **kwargs)
+
+
+def test_steps_copy_no_weight_and_move_only_cut_edges(llama, platforms) -> None:
+    """After placement a step reads weights where they are (none is copied again), moves only the cut edges'
+    activations (as many at batch 1 as at batch 4, bytes by the tokens), and runs the CPU-side nodes on the
+    providers an unplaced CPU model binds."""
+    placed = PlacedModel(llama, [*MLP_ON_B, {"platform": "cpu-b", "part": "lm_head"}], platforms)
+    weights = {t.untyped_storage().data_ptr() for t in placed.weights.tensors()}
+    per_batch = {}
+    for batch in (1, 4):
+        conv = Conversation(llama.config, [5] * batch, 1)
+        ids, positions, meta = conv.prefill()
+        placed.forward(ids, positions, conv.kv_caches, meta)
+        ids, positions, meta = conv.decode(0)
+        placed.stats.reset()
+        with _Copies() as copies, torch.inference_mode():
+            placed.logits(placed.forward(ids, positions, conv.kv_caches, meta), torch.arange(batch))
+        assert not [name for name, storage in copies.read if storage in weights], "a weight was copied during a step"
+        assert copies.moves == placed.stats.count  # every move between platforms is a counted transfer
+        per_batch[batch] = placed.stats.to_json()
+    assert {d: c["count"] for d, c in per_batch[1].items()} == {d: c["count"] for d, c in per_batch[4].items()}
+    assert all(per_batch[4][d]["bytes"] == 4 * per_batch[1][d]["bytes"] for d in per_batch[1])
+    unplaced = op_targets(platforms["cpu"].bind(torch.float32))
+    flat = placed.graphs["decode"].flat
+    for name, platform in placed.graphs["decode"].assignment.items():
+        node = next(n for n in flat.nodes if n.name == name)
+        if platform == "cpu" and node.kind == "contract":
+            assert flat.fx_node(name).target is unplaced[node.op], name
+
+
+#: A pipeline over two devices of one platform: layer 1 and the LM head on cpu-b's second device.
+PIPELINE = [{"platform": "cpu-b:1", "layers": "1-1"}, {"platform": "cpu-b:1", "part": "lm_head"}]
+
+
+def test_pipeline_over_two_devices_of_a_platform(llama, platforms) -> None:
+    """Layers split over cpu-b's devices 0 and 1 (one process): the unplaced logits, the cut edges crossing."""
+    one = load_many(["cpu-b"], plugins="cpu,cpu-b")  # the engine's batch on cpu-b (device 0)
+    placed = PlacedModel(llama, PIPELINE, one)
+    assert placed.layer_platforms == ["cpu-b", "cpu-b:1"] and placed.head_platform == "cpu-b:1"
+    decode = placed.graphs["decode"]
+    layer_of = {n.name: n.layer for n in decode.graph.nodes}
+    assert {t for n, t in decode.assignment.items() if layer_of[n] == 1} == {"cpu-b:1"}
+    assert decode.cut_edges() == _cut_edges(decode, engine="cpu-b")
+    # into layer 1: the hidden state, the residual and the step's metadata; out of it: the hidden state
+    assert set(decode.cut_edges()) == {("cpu-b", "cpu-b:1"), ("cpu-b:1", "cpu-b")}
+    reference = FlatModel(llama, one["cpu-b"], compile=False)
+    got = _steps(placed.forward, placed.logits, Conversation(llama.config, [9, 12, 6], 3), 2)
+    want = _steps(
+        reference.forward,
+        lambda hidden, rows, _: reference.compute_logits(hidden.index_select(0, rows)),
+        Conversation(llama.config, [9, 12, 6], 3),
+        2,
+    )
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert set(placed.stats.to_json()) == {"cpu-b->cpu-b:1", "cpu-b:1->cpu-b"}
+
+
+def test_pipeline_nodes_run_with_their_device_current(llama, platforms, monkeypatch) -> None:
+    """On an accelerator, each node of device 1 runs with device 1 current (Triton launches on the current
+    device); checked here with device 1 standing for cuda:1 and a recording device module."""
+    import contextlib
+
+    one = load_many(["cpu-b"], plugins="cpu,cpu-b")
+    placed = PlacedModel(llama, PIPELINE, one)
+    decode = placed.graphs["decode"]
+    current: list[int] = []
+    entered: list[int] = []
+
+    class Recorder:
+        @contextlib.contextmanager
+        def device(self, index: int):
+            current.append(index)
+            entered.append(index)
+            yield
+            current.pop()
+
+    monkeypatch.setattr(torch, "get_device_module", lambda device_type: Recorder())
+    decode.devices["cpu-b:1"] = torch.device("cuda", 1)  # as the second GPU would be
+    conv = Conversation(llama.config, [5, 7], 1)
+    ids, positions, meta = conv.prefill()
+    placed.forward(ids, positions, conv.kv_caches, meta)
+    ids, positions, meta = conv.decode(0)
+    placed.forward(ids, positions, conv.kv_caches, meta)
+    on_1 = [n for n, t in decode.assignment.items() if t == "cpu-b:1" and decode.flat.fx_node(n).op == "call_function"]
+    assert on_1 and entered == [1] * len(on_1) and current == []

@@ -98,8 +98,12 @@ def test_placing_refuses_what_cannot_run(llama, platforms) -> None:
         place(graph, {"default": "npu"}, platforms)
     with pytest.raises(PlacementError, match=r"rule 0: layers 1-5 reach past the model's 2 layers \(0-1\)"):
         place(graph, [{"platform": "cpu-b", "layers": "1-5"}], platforms)
-    with pytest.raises(PlacementError, match=r"'cpu-b:1': device indices other than 0"):
-        place(graph, [{"platform": "cpu-b:1", "layers": "1"}], platforms)
+    with pytest.raises(
+        PlacementError, match=r"rule 0: platform 'cpu-b:2': 'cpu-b' has 2 device\(s\) here \(indices 0-1\)"
+    ):
+        place(graph, [{"platform": "cpu-b:2", "layers": "1"}], platforms)
+    with pytest.raises(PlacementError, match=r"default 'cpu:1': platform 'cpu' has 1 device\(s\) here"):
+        place(graph, {"default": "cpu:1"}, platforms)
     split = [{"platform": "cpu-b", "op": "paged_attention", "layers": "1", "label": "attention only"}]
     with pytest.raises(PlacementError) as caught:
         place(graph, split, platforms)

@@ -12,7 +12,12 @@ greedy requests through ``LLM.generate``:
 - ``device``: the whole model on the device, only when its weights fit the budget.
 
 For each batch size, decode tokens/s is the batch's output tokens after the first over the time
-after the first (a run of one output token gives the prefill's time). Prints a markdown table.
+after the first (a run of one output token gives the prefill's time). The first run at a batch size
+is reported apart (``cold_step_ms``) and the rate comes from the runs after it (the median of
+``--repeats``): a model that is not captured as device graphs (a placed one) meets each new batch
+size in its first run, and what a platform compiles or tunes per shape then (Triton specialises
+its kernels on sizes) lands there, not in the steady state. Each row also says the most sequences a
+decode step ran (fewer than the batch: the KV cache held fewer, flagged). Prints a markdown table.
 ``--shape tiny`` runs on any machine in seconds (the tests do, with two platforms on the CPU).
 """
 
@@ -78,25 +83,49 @@ def _cap_device(device_type: str, budget: int) -> str:
     return f"enforced: torch.{device_type}.set_per_process_memory_fraction({budget / total:.4f})"
 
 
-def _decode_rate(llm: Any, w: Workload, batch: int, seed: int = 1) -> dict[str, float]:
+def _decode_rate(llm: Any, w: Workload, batch: int, seed: int = 1, repeats: int = 3) -> dict[str, float]:
+    """Decode rate at ``batch``: the first run at this batch size apart, then the median of ``repeats`` more."""
+    import statistics
+
     from ..engine import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, w.vocab_size, (batch, w.prompt_len), generator=g).tolist()
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm up
-    start = time.perf_counter()
-    llm.generate(prompts, one)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    llm.generate(prompts, full)
-    total = time.perf_counter() - start
-    decode = max(total - prefill, 1e-9)
+
+    most = 0  # the most sequences a decode step ran: fewer than the batch means the KV cache held fewer
+    execute = llm.runner.execute
+
+    def counting(batch: Any) -> list[int]:
+        nonlocal most
+        if batch.is_decode:
+            most = max(most, len(batch.query_lens))
+        return execute(batch)
+
+    def decode_seconds() -> float:
+        """Seconds of the decode steps of one run: a whole run less a run of its prefill alone."""
+        start = time.perf_counter()
+        llm.generate(prompts, one)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.generate(prompts, full)
+        return max(time.perf_counter() - start - prefill, 1e-9)
+
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # load, first use
+    llm.runner.execute = counting  # an instance attribute over the method, for these runs only
+    try:
+        cold = decode_seconds()  # the first decode steps at this batch size: whatever compiles per shape runs here
+        decode = statistics.median(decode_seconds() for _ in range(max(1, repeats)))
+    finally:
+        del llm.runner.execute
+    steps = w.output_len - 1
     return {
         "batch": batch,
-        "decode_tok_s": batch * (w.output_len - 1) / decode,
-        "step_ms": decode / (w.output_len - 1) * 1e3,
+        "decode_tok_s": batch * steps / decode,
+        "step_ms": decode / steps * 1e3,
+        "cold_step_ms": cold / steps * 1e3,
+        "decode_seqs": most,
     }
 
 
@@ -113,6 +142,7 @@ def run(
     layers: int | None = None,
     save_model: str | None = None,
     kv_cache_bytes: int = 1 << 30,
+    repeats: int = 3,
 ) -> dict[str, Any]:
     """Measure the rows of the module docstring; return them with the setup."""
     import tempfile
@@ -135,7 +165,11 @@ def run(
         if not (path / "config.json").is_file():
             build_model(path, w, 0, "cuda" if device_type == "cuda" else "cpu")
         capped = _cap_device(device_type, budget) if budget else "none"
-        kv = min(kv_cache_bytes, max(batches) * (prompt_len + output_len) * 2 * w.num_layers * w.hidden_size * 4)
+        # room for every sequence of the largest batch in whole blocks (CUDA's hold 128 tokens), K and V of every
+        # layer, at most 4 bytes an element and as many heads as the model has (at least its KV heads)
+        block = max(runtime.platform.kv_block_size for runtime in platforms.values())
+        per_sequence = -(-(prompt_len + output_len) // block) * block
+        kv = min(kv_cache_bytes, max(batches) * per_sequence * 2 * w.num_layers * w.hidden_size * 4)
         common = dict(
             dtype=w.dtype,
             max_model_len=prompt_len + output_len,
@@ -161,7 +195,12 @@ def run(
                 on_device = llm.placement.model.weights.bytes.get(device_name, 0) if llm.placement else None
                 for batch in batches:
                     rows.append(
-                        {"config": key, "label": label, "device_weight_bytes": on_device, **_decode_rate(llm, w, batch)}
+                        {
+                            "config": key,
+                            "label": label,
+                            "device_weight_bytes": on_device,
+                            **_decode_rate(llm, w, batch, repeats=repeats),
+                        }
                     )
             finally:
                 llm.close()
@@ -176,6 +215,7 @@ def run(
         "device_budget_bytes": budget,
         "budget": capped,
         "whole_model_fits": budget is None or sizes["total"] <= budget,
+        "repeats": repeats,
         "rows": rows,
     }
 
@@ -193,15 +233,27 @@ def render(result: dict[str, Any]) -> str:
         f"device budget: {'none' if budget is None else _size(budget)} ({result['budget']}); "
         f"whole model fits: {'yes' if result['whole_model_fits'] else 'no'}",
         "",
-        "| config | batch | decode tok/s | step ms | weights on device | vs all on host |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"step ms: the median of {result.get('repeats', 1)} runs after the first at each batch size; "
+        "first run: the first decode steps at that batch size (what compiles per shape lands there)",
+        "",
+        "| config | batch | seqs a step | decode tok/s | step ms | first run step ms | weights on device "
+        "| vs all on host |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     host = {r["batch"]: r["decode_tok_s"] for r in result["rows"] if r["config"] == "host"}
     for r in result["rows"]:
         on_device = "-" if r["device_weight_bytes"] is None else _size(r["device_weight_bytes"])
         ratio = r["decode_tok_s"] / host[r["batch"]] if host.get(r["batch"]) else float("nan")
         lines.append(
-            f"| {r['label']} | {r['batch']} | {r['decode_tok_s']:,.1f} | {r['step_ms']:,.1f} | {on_device} | {ratio:.2f}x |"
+            f"| {r['label']} | {r['batch']} | {r.get('decode_seqs', '?')} | {r['decode_tok_s']:,.1f} | "
+            f"{r['step_ms']:,.1f} | "
+            f"{r.get('cold_step_ms', float('nan')):,.1f} | {on_device} | {ratio:.2f}x |"
+        )
+    short = [r for r in result["rows"] if r.get("decode_seqs", r["batch"]) < r["batch"]]
+    for r in short:
+        lines.append(
+            f"warning: {r['label']} at batch {r['batch']} decoded at most {r['decode_seqs']} sequences a step "
+            "(its KV cache held fewer): its step time is not the batch's"
         )
     return "\n".join(lines)
 
@@ -220,6 +272,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per batch size after the first, the median reported (default 3)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -236,6 +291,7 @@ def main(args: Any) -> int:
         args.output_len,
         args.layers,
         args.save_model,
+        repeats=args.repeats,
     )
     print(render(result))
     if args.json:

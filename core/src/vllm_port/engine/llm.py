@@ -186,6 +186,16 @@ class LLM:
         placement: Any = None,
         devices: Sequence[str] | None = None,
     ) -> None:
+        # the cheap argument checks first: importing moves, casts and traces the user's module
+        importing = importer is not None or isinstance(model, torch.nn.Module)
+        if importing and (placement is not None or devices is not None):
+            raise ValueError(
+                "placement of imported models is not supported yet: an imported model (importer= or a transformers "
+                "module) runs on one platform; drop placement/devices, or place the core model definitions "
+                "(importer=None)"
+            )
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"max_model_len is {max_model_len!r}; it must be an int >= 2")
         self.placement = _placement(placement, devices, device, plugins, tensor_parallel_size)  # None: one platform
         if self.placement is not None:
             self.runtime = self.placement.platforms.default
@@ -193,8 +203,11 @@ class LLM:
             self.runtime = (
                 device if isinstance(device, Runtime) else load(plugins, None if device == "auto" else device)
             )
+        block_size = self.runtime.platform.kv_block_size if block_size is None else block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size is {block_size!r}; it must be a positive int (tokens per KV-cache block)")
         imported = None  # a transformers module, or a directory loaded through transformers (vllm_port.importer)
-        if importer is not None or isinstance(model, torch.nn.Module):
+        if importing:
             from ..importer.engine import import_for_engine
 
             imported = import_for_engine(model, importer, self.runtime, dtype, _resolve_dtype, tensor_parallel_size)
@@ -215,11 +228,6 @@ class LLM:
                 where=f"platform {self.runtime.platform.name!r}'s device",
                 config_path=self.model_dir / "config.json",
             )
-        block_size = self.runtime.platform.kv_block_size if block_size is None else block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size is {block_size!r}; it must be a positive int (tokens per KV-cache block)")
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-            raise ValueError(f"max_model_len is {max_model_len!r}; it must be an int >= 2")
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
             source = self.model_dir / "config.json" if self.model_dir else config.architecture
             raise ValueError(
@@ -241,7 +249,8 @@ class LLM:
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
             swap_space=swap_space,
-            max_tokens=max_num_seqs * longest,
+            # whole blocks per sequence: 8 sequences of 48 tokens need 8 blocks of 128, not 3
+            max_tokens=max_num_seqs * -(-longest // block_size) * block_size,
             **({"make_step": make_step} if make_step is not None else {}),
             **({"placement": self.placement} if self.placement is not None else {}),
         )

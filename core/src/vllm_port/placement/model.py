@@ -28,7 +28,7 @@ from ..flat.trace import PHASES, graph_inputs, trace, weight_paths
 from ..kv_pool import blocks_for_budget
 from ..memory import KVCache, KVLayout
 from ..runtime import Runtime
-from .plan import PlacedGraph, Transfer, TransferStats, WeightStore, _choose, place
+from .plan import PlacedGraph, Transfer, TransferStats, WeightStore, _choose, device_context, place
 from .platforms import Platforms, load_many
 from .policy import PlacementError, PlacementPolicy, load_policy
 
@@ -96,9 +96,13 @@ class PlacedModel:
         self._head_weight = self.weights.get(
             model.lm_head, self.head_platform, self.platforms.device(self.head_platform), head_weight
         )
-        self._head_kernels = self.platforms[self.head_platform].bind(self.dtype)
+        self._head_kernels = self.platforms.runtime(self.head_platform).bind(self.dtype)
         self._runtime_device = self.platforms.default.device
         self._devices = {name: self.platforms.device(name) for name in self.platforms}
+        for graph in self.graphs.values():  # and each other device of a platform a rule names (cuda:1)
+            self._devices.update(graph.devices)
+        self._devices[self.head_platform] = self.platforms.device(self.head_platform)
+        self._head_device = self._devices[self.head_platform]
         self.head_weight_name = head_weight
 
     # --- running ---
@@ -126,13 +130,15 @@ class PlacedModel:
         here = self.output_platform(phase)
         rows = self._move(rows, self.platforms.default.platform.name, here)
         picked = self._move(hidden.index_select(0, rows), here, self.head_platform)
-        logits = self._head_kernels.linear(picked, self._head_weight)
+        with device_context(self._head_device):
+            logits = self._head_kernels.linear(picked, self._head_weight)
         return self._move(logits, self.head_platform, self.platforms.default.platform.name)
 
     def compute_logits(self, hidden: torch.Tensor, phase: str = "decode") -> torch.Tensor:
         """Logits of every row of ``hidden`` (as ``FlatModel.compute_logits``), on the engine's platform."""
         here = self.output_platform(phase)
-        logits = self._head_kernels.linear(self._move(hidden, here, self.head_platform), self._head_weight)
+        with device_context(self._head_device):
+            logits = self._head_kernels.linear(self._move(hidden, here, self.head_platform), self._head_weight)
         return self._move(logits, self.head_platform, self.platforms.default.platform.name)
 
     def step(self) -> Callable[..., torch.Tensor]:
@@ -234,12 +240,17 @@ class PlacedKVCache:
         self.value_caches: list[torch.Tensor] = [torch.empty(0)] * layout.num_layers
         try:
             for platform, layers in by_platform.items():
-                runtime = platforms[platform]
+                runtime, device = platforms.runtime(platform), platforms.device(platform)
+                allocator = platforms.allocator(platform)
                 part = KVLayout(len(layers), layout.num_kv_heads, layout.head_size, layout.block_size, layout.dtype)
-                cache = KVCache(
-                    runtime.allocator(), part, self.num_blocks * part.block_bytes, runtime.block_pool_factory()
-                )
+                cache = KVCache(allocator, part, self.num_blocks * part.block_bytes, runtime.block_pool_factory())
                 self.caches[platform] = cache
+                if cache.buffer.device != device and device.type != "cpu":
+                    raise MemoryContractError(
+                        f"{platform!r}: the allocator {allocator.name!r} of platform {runtime.platform.name!r} put "
+                        f"the KV cache of layers {layers} on {cache.buffer.device}, not {device}; a pipeline over "
+                        "devices needs an allocator that allocates on its .device (plugin_kit.DeviceAllocator does)"
+                    )
                 if cache.num_blocks != self.num_blocks:
                     raise MemoryContractError(
                         f"platform {platform!r}'s block pool made {cache.num_blocks} blocks of a budget of "

@@ -17,7 +17,10 @@ runs there:
   the result home, so every view sees it; a value nothing views just moves (its later readers
   fetch it from where it was written);
 - the KV cache inputs of a layer live on the platform of the layer's attention nodes
-  (``reshape_and_cache``, ``paged_attention``, ``prefill_attention``), which must agree.
+  (``reshape_and_cache``, ``paged_attention``, ``prefill_attention``), which must agree;
+- a rule may name another device of a platform (``cuda:1``): a target of its own, with the
+  platform's kernels run with that device current, its own weight copies and KV caches, and
+  device-to-device copies for transfers (a pipeline split in one process, docs/placement.md).
 
 Shape nodes (host-side size arithmetic) are not placed. Each node's role (``part``) is read from the
 graph: ``embedding``; ``attention`` (q/k/v and output projections, rotary, the cache and attention
@@ -28,6 +31,7 @@ such as an unfused residual add); the LM head is a node of :class:`~vllm_port.pl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import re
@@ -40,7 +44,7 @@ import torch.fx as fx
 
 from ..flat.graph import FlatGraph, FlatNode, contract_op, copy_module, node_kind, op_targets
 from ..runtime import Runtime
-from .platforms import Platforms
+from .platforms import Platforms, normal_target, split_target
 from .policy import PlacementError, PlacementPolicy, PlacementRule, load_policy
 
 __all__ = ["ATTENTION_CACHE_OPS", "PlacedGraph", "Transfer", "TransferStats", "WeightStore", "node_parts", "place"]
@@ -120,6 +124,26 @@ def _write_back_function(stats: TransferStats) -> Callable[..., torch.Tensor]:
     return write_back
 
 
+def _on_device(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``fn`` called with ``device`` the current device of its type (restored after)."""
+    module = torch.get_device_module(device.type)
+
+    def on_device(*args: Any, **kwargs: Any) -> Any:
+        with module.device(device.index):
+            return fn(*args, **kwargs)
+
+    # a plain name for fx's code generation, as the transfer nodes have
+    on_device.__module__, on_device.__name__, on_device.__qualname__ = "placement", "on_device", "on_device"
+    return on_device
+
+
+def device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made current where it is a non-zero accelerator device (its kernels launch there); else nothing."""
+    if device.type == "cpu" or not device.index:
+        return contextlib.nullcontext()
+    return torch.get_device_module(device.type).device(device.index)
+
+
 # ------------------------------------------------------------------------------------------------
 # Weights moved once
 # ------------------------------------------------------------------------------------------------
@@ -158,6 +182,10 @@ class WeightStore:
             self._keep[id(weight)] = weight
             self.bytes[platform] = self.bytes.get(platform, 0) + size
         return found
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every weight copy held, on every platform (a weight already where it runs is its own copy)."""
+        return list(self._copies.values())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,6 +239,7 @@ class PlacedGraph:
         cache_platforms: KV-cache input (``k_cache_3``) -> the platform it lives on.
         output_platform: where the graph's result is.
         stats: transfers counted at run time.
+        devices: each target's torch device (a platform name, or ``NAME:INDEX`` for another of its devices).
     """
 
     graph: FlatGraph
@@ -224,9 +253,32 @@ class PlacedGraph:
     output_platform: str
     stats: TransferStats = field(default_factory=TransferStats)
 
+    #: target -> its torch device, for targets whose kernels need their device made current (``cuda:1``)
+    devices: dict[str, torch.device] = field(default_factory=dict)
+    _runner: Any = field(default=None, repr=False)
+
     def __call__(self, *args: Any) -> Any:
         """Run the placed graph eagerly (inputs as ``flat.graph_inputs`` builds them, each cache on its platform)."""
-        return self.flat(*args)
+        if self._runner is None:
+            self._runner = self._eager_module()
+        return self._runner(*args)
+
+    def _eager_module(self) -> Any:
+        """``flat``'s eager module, each node of a non-zero accelerator device run with that device current.
+
+        Kernels that launch on the current device (Triton's do) would otherwise run device 1's
+        nodes on device 0; torch's own ops follow their tensors and need nothing.
+        """
+        module = self.flat.eager_module()
+        switched = {t: d for t, d in self.devices.items() if d.type != "cpu" and d.index}
+        if not switched:
+            return module
+        on = {self.flat.fx_node(name).name: switched[t] for name, t in self.assignment.items() if t in switched}
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.name in on:
+                node.target = _on_device(node.target, on[node.name])
+        module.recompile()
+        return module
 
     def cut_edges(self) -> dict[tuple[str, str], int]:
         """Transfers planned per step, by direction: ``{("cpu", "cuda"): 2, ...}``."""
@@ -330,10 +382,16 @@ def _written_args(node: fx.Node) -> list[fx.Node]:
 
 def _check_platforms(policy: PlacementPolicy, platforms: Platforms, default: str) -> None:
     where = f" of {policy.source}" if policy.source else ""
-    if default not in platforms:
+    name, index = split_target(default)
+    if name not in platforms:
         raise PlacementError(
             f"placement policy{where}: default platform {default!r} is not loaded (loaded: {', '.join(platforms)}); "
-            f"load it, e.g. devices=[{default!r}, ...], or name a loaded platform"
+            f"load it, e.g. devices=[{name!r}, ...], or name a loaded platform"
+        )
+    if index >= platforms.device_count(name):
+        raise PlacementError(
+            f"placement policy{where}: default {default!r}: platform {name!r} has "
+            f"{platforms.device_count(name)} device(s) here; name an index below that"
         )
     for rule in policy.rules:
         if rule.platform_name not in platforms:
@@ -342,11 +400,11 @@ def _check_platforms(policy: PlacementPolicy, platforms: Platforms, default: str
                 f"load it too, e.g. LLM(devices=[..., {rule.platform_name!r}]) or vllm_port.load_many([...]), "
                 "or fix the name"
             )
-        index = rule.platform.partition(":")[2]
-        if index and int(index) != 0:
+        count = platforms.device_count(rule.platform_name)
+        if split_target(rule.target)[1] >= count:
             raise PlacementError(
-                f"{rule.who}: platform {rule.platform!r}: device indices other than 0 (a pipeline over devices) "
-                f"are not run by this version; write {rule.platform_name!r}"
+                f"{rule.who}: platform {rule.platform!r}: {rule.platform_name!r} has {count} device(s) here "
+                f"(indices 0-{count - 1}); name one of them, or run where that device exists"
             )
 
 
@@ -364,7 +422,7 @@ def _choose(rules: Sequence[PlacementRule], node: FlatNode, part: str | None, de
     weights = [v[1:] for v in node.inputs if v.startswith("$")]
     for rule in rules:
         if rule.matches(node.op, part, node.layer, node.name, weights):
-            return rule.platform_name, rule.index
+            return rule.target, rule.index
     return default, DEFAULT
 
 
@@ -395,7 +453,7 @@ def place(
     """
     policy = load_policy(policy)
     platforms = Platforms.of(platforms)
-    default = policy.default.partition(":")[0] if policy.default else platforms.default.platform.name
+    default = normal_target(policy.default) if policy.default else platforms.default.platform.name
     _check_platforms(policy, platforms, default)
     num_layers = sum(1 for name in graph.input_names if name.startswith("k_cache_"))
     _check_layers(policy, num_layers)
@@ -439,6 +497,7 @@ def place(
         cache_platforms=caches,
         output_platform=rewriter.output_platform,
         stats=stats,
+        devices=dict(rewriter.devices),
     )
 
 
@@ -502,11 +561,14 @@ class _Rewriter:
     ) -> None:
         self.graph, self.module, self.fx = graph, graph.module, graph.module.graph
         self.platforms, self.default, self.weights = platforms, default, weights
-        self.devices = {name: platforms.device(name) for name in platforms}
+        # every target in use: each platform (its device 0) and each other device a rule names (cuda:1)
+        used = [*platforms, *(t for t in (*chosen.values(), *caches.values(), default) if t not in platforms)]
+        self.devices = {target: platforms.device(target) for target in dict.fromkeys(used)}
         self.chosen = {graph.fx_node(name): p for name, p in chosen.items()}
         self.caches = caches
         dtype = graph.kernels.context.dtype if graph.kernels is not None else torch.float32
-        self.targets = {name: op_targets(platforms[name].bind(dtype)) for name in platforms}
+        bound = {name: op_targets(platforms[name].bind(dtype)) for name in platforms}  # one binding per platform
+        self.targets = {target: bound[split_target(target)[0]] for target in self.devices}
         self.transfer = _transfer_function(self.devices, stats)
         self.write_back = _write_back_function(stats)
         self.copies: dict[fx.Node, dict[str, fx.Node]] = {}

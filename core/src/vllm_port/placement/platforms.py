@@ -5,19 +5,37 @@
     platforms = vllm_port.load_many(["cuda", "cpu"])   # discover once, select each
     platforms.default                                  # the cuda Runtime: where the engine's batch lives
     platforms["cpu"].bind(torch.bfloat16)              # each platform binds its own providers
+    platforms.device("cuda:1")                         # a placement target: device 1 of the cuda platform
+
+A placement *target* is a platform name (its device 0) or ``NAME:INDEX`` for another device of it
+(``"cuda:1"``: a pipeline split over the GPUs of one process); ``NAME:0`` is written ``NAME``.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 from ..discovery import discover
 from ..errors import SelectionError
+from ..memory import Allocator
 from ..runtime import Runtime, select
 
-__all__ = ["Platforms", "load_many"]
+__all__ = ["Platforms", "load_many", "split_target"]
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """``"cuda:1"`` -> ``("cuda", 1)``; ``"cpu"`` -> ``("cpu", 0)``."""
+    name, _, index = target.partition(":")
+    return name, int(index) if index else 0
+
+
+def normal_target(target: str) -> str:
+    """``"cuda:0"`` -> ``"cuda"`` (device 0 is the platform's own); other targets as they are."""
+    name, index = split_target(target)
+    return name if index == 0 else f"{name}:{index}"
 
 
 class Platforms(Mapping[str, Runtime]):
@@ -32,6 +50,7 @@ class Platforms(Mapping[str, Runtime]):
             if name in self._runtimes:
                 raise SelectionError(f"platform {name!r} is listed twice; name each platform once")
             self._runtimes[name] = runtime
+        self._allocators: dict[str, Allocator] = {}
 
     @classmethod
     def of(cls, runtime: Runtime | Platforms) -> Platforms:
@@ -64,9 +83,52 @@ class Platforms(Mapping[str, Runtime]):
         """The first platform: the engine's batch, sampling and (by default) every node live there."""
         return next(iter(self._runtimes.values()))
 
-    def device(self, name: str) -> torch.device:
-        """The torch device of platform ``name`` (device 0 of it)."""
-        return self[name].device
+    def runtime(self, target: str) -> Runtime:
+        """The runtime of target ``target`` (``"cuda:1"`` -> the cuda runtime)."""
+        return self[split_target(target)[0]]
+
+    def device_count(self, name: str) -> int:
+        """How many devices platform ``name``'s probe found (at least 1)."""
+        probe = self[name].selected.probe
+        return max(1, probe.device_count if probe is not None else 1)
+
+    def device(self, target: str) -> torch.device:
+        """The torch device of ``target``: a platform name (its device 0) or ``NAME:INDEX``.
+
+        :raises SelectionError: for an index past the devices the platform's probe found.
+        """
+        name, index = split_target(target)
+        runtime = self[name]
+        if index == 0:
+            return runtime.device
+        count = self.device_count(name)
+        if index >= count:
+            raise SelectionError(
+                f"{target!r}: platform {name!r} has {count} device(s) here (0-{count - 1}); name one of them"
+            )
+        device_type = runtime.platform.device_type
+        return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, index)
+
+    def allocator(self, target: str) -> Allocator:
+        """The device-tier allocator of ``target``: the platform's for device 0, the same kind for another index.
+
+        Allocators answer for one device (the platform's device 0); another device of an
+        accelerator gets a copy of it pointed at that device, whose buffers
+        :class:`~vllm_port.placement.PlacedKVCache` checks land there. Host memory has one allocator.
+        """
+        found = self._allocators.get(target)
+        if found is None:
+            base = self.runtime(target).allocator()
+            device = self.device(target)
+            if split_target(target)[1] == 0 or device.type == "cpu":
+                found = base
+            else:
+                found = copy.copy(base)
+                Allocator.__init__(found, f"{base.name} (device {device.index})", device)  # fresh books
+                if hasattr(found, "_index"):  # core's TorchDeviceAllocator keeps its index apart
+                    found._index = device.index
+            self._allocators[target] = found
+        return found
 
 
 def load_many(devices: Sequence[str], plugins: str | None = None, probe_timeout_s: float | None = None) -> Platforms:

@@ -24,9 +24,8 @@ match (a rule without selectors matches every node):
 - ``node``: a glob over node names as ``vllm-port inspect`` prints them (``"linear_*"``);
 - ``weight``: a glob over the names of the weights a node reads (``"layers.*.gate_up_weight"``).
 
-A platform may carry a device index, ``"cuda:1"``, which is how a pipeline split over two GPUs is
-written (layer ranges to device indices); this version runs index 0 of each platform and says so
-for any other.
+A platform may carry a device index, ``"cuda:1"``: that is how a pipeline split over the GPUs of
+one process is written (layer ranges to device indices); ``"cuda"`` is ``"cuda:0"``.
 """
 
 from __future__ import annotations
@@ -92,6 +91,12 @@ class PlacementRule:
     def platform_name(self) -> str:
         """The platform without its device index."""
         return self.platform.partition(":")[0]
+
+    @property
+    def target(self) -> str:
+        """Where the rule places nodes: the platform, with its device index unless it is 0 (``"cuda:1"``)."""
+        name, _, index = self.platform.partition(":")
+        return name if not index or int(index) == 0 else f"{name}:{int(index)}"
 
     def matches(self, op: str, part: str | None, layer: int | None, node: str, weights: Iterable[str]) -> bool:
         """Whether the node described by the arguments is one this rule places."""
