@@ -7,6 +7,7 @@ imported and run through the engine.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -163,8 +164,13 @@ def test_a_skeleton_the_importer_does_not_reproduce_fails_the_import_check(cpu_r
         return out
 
     model.model.forward = scaled
-    with pytest.raises(ImporterError, match=r"logits differ from transformers' .* skeleton"):
+    with pytest.raises(ImporterError, match=r"Qwen2ForCausalLM: the import check .* failed") as failure:
         import_model(model, cpu_runtime)
+    message = str(failure.value)
+    assert re.search(
+        r"prefill logits \(11 tokens\) differ by [\d.e-]+ and decode logits \(1 step\) by [\d.e-]+", message
+    )
+    assert "top-level forward does work outside the pieces" in message and "--device cpu" in message
 
 
 def test_tensor_parallel_imported_models_are_refused(cpu_runtime):

@@ -19,15 +19,17 @@ batch, so what stays native runs at every step.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, SLoc, StatelessSymbolicContext
 
 from ..errors import VllmPortError
 
@@ -98,7 +100,11 @@ def _attention_function(
             "input, so this model's attention cannot be imported (supported: scaling, sliding_window, softcap)"
         )
     if kwargs.get("is_causal") is False:
-        raise ImporterError(f"{who} asks for non-causal attention; a causal LM's decoder is imported only")
+        raise ImporterError(
+            f"{who} asks for non-causal (bidirectional) attention; the paged attention ops are causal, so only "
+            "causal LMs' decoders can be imported. Load the model's causal-LM class (AutoModelForCausalLM) with "
+            "causal attention, or run this model with transformers itself"
+        )
     if dropout and module.training:
         raise ImporterError(f"{who} is in training mode with attention dropout {dropout}; call model.eval() first")
     if attention_mask is not None:
@@ -140,9 +146,11 @@ def trace_piece(
     :param inputs: ``(name, example, dynamic)`` per argument: an example tensor (its values unused)
         and which of its dimensions are symbolic (the token count).
     :param who: the piece, for the error (``"LlamaForCausalLM layer 3"``).
-    :raises ImporterError: when ``fn`` cannot be traced, naming the piece and the cause.
+    :raises ImporterError: when ``fn`` cannot be traced, or its graph holds for some token counts only
+        (a Python branch on a size), naming the piece, the cause and the fix.
     """
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     args = []
     for name, example, dynamic in inputs:
         context = StatelessSymbolicContext(
@@ -152,7 +160,7 @@ def trace_piece(
         args.append(mode.from_tensor(example, symbolic_context=context, source=ConstantSource(name)))
     try:
         with torch.no_grad():
-            return make_fx(fn, tracing_mode="symbolic", pre_dispatch=True, _allow_non_fake_inputs=True)(*args)
+            gm = make_fx(fn, tracing_mode="symbolic", pre_dispatch=True, _allow_non_fake_inputs=True)(*args)
     except ImporterError:
         raise
     except Exception as exc:
@@ -162,3 +170,41 @@ def trace_piece(
             "tensor values (.item(), .tolist(), Python branches on values); rewrite that part, or run the model "
             "with transformers itself"
         ) from exc
+    _refuse_size_guards(shape_env, who)
+    return gm
+
+
+def _refuse_size_guards(shape_env: ShapeEnv, who: str) -> None:
+    """Refuse a trace that holds for some token counts only.
+
+    While tracing, every Python decision on a symbolic size (``if x.shape[1] > 20``) is recorded
+    as a guard and the graph follows the branch taken at the example count: run at a count where
+    the guard fails, it computes the other branch's result silently. The only guards a plain piece
+    leaves are equalities between its inputs' token counts (``hidden``, ``cos`` and ``sin`` have
+    the same number of tokens), true of every call the engine makes.
+    """
+    tokens = sympy.Symbol("tokens")
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if isinstance(expr, sympy.Eq) and all(isinstance(side, sympy.Symbol) for side in expr.args):
+            continue
+        condition = expr.xreplace({symbol: tokens for symbol in expr.free_symbols})
+        raise ImporterError(
+            f"{who} branches on its token count: traced at {EXAMPLE_TOKENS} tokens, its graph holds only while "
+            f"`{condition}` (recorded at {_location(guard.sloc)}), and at other token counts it would compute the "
+            "other branch's result silently. The importer runs every piece at any token count: make that code "
+            "independent of the sequence length (compute both results and select with torch.where, or branch on "
+            "a config value instead of a size), or run this model with transformers itself (the importer cannot "
+            "leave a module untraced)"
+        )
+
+
+def _location(sloc: SLoc) -> str:
+    """Where a guard was recorded: ``file:line in function: source text`` when known."""
+    if sloc.maybe_user_loc:
+        return sloc.maybe_user_loc
+    frame = sloc.framework_loc
+    if isinstance(frame, traceback.FrameSummary):
+        where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+        return f"{where}: {frame.line.strip()}" if frame.line else where
+    return str(frame or "an unknown place")

@@ -5,30 +5,25 @@ the many models shaped like them: token embedding, rotary cos/sin from the posit
 layers, final norm, LM head. The pieces are found through transformers' own accessors
 (``get_input_embeddings``, ``get_output_embeddings``, the base model's ``layers``, ``norm`` and
 ``rotary_emb``); what each piece computes is read from its traced graph (``_rewrite``). Because the
-skeleton is an assumption about the model's top-level ``forward``, every import ends by running
-the imported model and ``transformers`` on the same short prompt (prefill, then one decode step)
-and refuses the model when their logits disagree.
+skeleton is an assumption about the model's top-level ``forward``, every import ends with the
+import check (``_verify``): each layer's sliding window against the config, then the imported model
+and ``transformers`` on the same short prompt (prefill, then one decode step), refusing the model
+when their logits or greedy tokens disagree.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..models import AttentionMetadata
 from ._rewrite import Mapped, PieceReport, rewrite_piece
 from ._trace import EXAMPLE_TOKENS, ImporterError, attention_seam, trace_piece
+from ._verify import check_windows, verify_import
 
 __all__ = ["ImportedConfig", "ImportedModel", "import_model"]
-
-#: Relative logit error (max |ours - transformers| over max(1, max |transformers|)) the import check allows.
-VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 0.1, torch.float16: 5e-2}
-#: Tokens of the import check's prompt: longer than a typical test sliding window, short for a big model.
-VERIFY_TOKENS = 12
 
 
 @dataclass(frozen=True)
@@ -210,11 +205,6 @@ def _param_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def _prompt(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (VERIFY_TOKENS,), generator=gen)
-
-
 def import_model(
     hf_model: torch.nn.Module,
     runtime: Any,
@@ -230,7 +220,8 @@ def import_model(
 
     :param runtime: the platform the model will run on (its device; its bound ops for the check).
     :param dtype: the dtype to run in (default: the module's).
-    :param verify: run the import check (imported model against ``transformers`` on a short prompt).
+    :param verify: run the import check (imported model against ``transformers`` on a short prompt);
+        the sliding windows are checked against the config either way.
     :raises ImporterError: for a module that is not a decoder-only causal LM of the supported
         shape, a piece that cannot be traced, an attention the paged cache cannot serve, or a
         failed import check; the message names the model, the piece and what to do.
@@ -279,7 +270,8 @@ def import_model(
             f"{who}: layers differ in KV heads or head size ({sorted(geometry)}); the paged KV cache has one layout "
             "for every layer"
         )
-    windows = {f["sliding_window"] for f in facts}
+    windows = [f["sliding_window"] for f in facts]
+    check_windows(who, config, windows)
     layer_reports = [p for p in report.pieces if p.piece.startswith("layers.")]
     rotary_native = not all(any(m.pattern == "rotary_embedding" for m in p.mapped) for p in layer_reports)
     eos = getattr(config, "eos_token_id", None)
@@ -304,7 +296,7 @@ def import_model(
     )
     model = ImportedModel(layers, embed, norm, lm_head, (cos, sin) if rotary_native else None, imported_config, report)
     if verify:
-        report.verify_error = _verify(model, hf_model, runtime)
+        report.verify_error = verify_import(model, hf_model, runtime)
     return model
 
 
@@ -320,7 +312,7 @@ def _layer_call(module: torch.nn.Module) -> Any:
 
 def _import_piece(fn, inputs, module, piece, who, report) -> torch.fx.GraphModule:
     gm = trace_piece(fn, inputs, f"{who} {piece}")
-    gm, piece_report, _ = rewrite_piece(gm, piece, _param_names(module))
+    gm, piece_report, _ = rewrite_piece(gm, piece, _param_names(module), who=who)
     report.pieces.append(piece_report)
     return gm
 
@@ -329,7 +321,9 @@ def _import_layer(fn, inputs, module, piece, who, report, table) -> tuple[torch.
     gm = trace_piece(fn, inputs, f"{who} {piece}")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     cos, sin = placeholders[1], placeholders[2]
-    gm, piece_report, facts = rewrite_piece(gm, piece, _param_names(module), rotary_table=table, cos=cos, sin=sin)
+    gm, piece_report, facts = rewrite_piece(
+        gm, piece, _param_names(module), rotary_table=table, cos=cos, sin=sin, who=who
+    )
     report.pieces.append(piece_report)
     if facts is None:
         raise ImporterError(
@@ -338,48 +332,3 @@ def _import_layer(fn, inputs, module, piece, who, report, table) -> tuple[torch.
             "which the paged engine replaces, so it cannot be imported"
         )
     return gm, facts
-
-
-def _verify(model: ImportedModel, hf_model: torch.nn.Module, runtime: Any) -> float:
-    """Prefill ``VERIFY_TOKENS - 1`` tokens and decode one with the imported model; compare with transformers."""
-    c, device = model.config, model.device
-    n = min(VERIFY_TOKENS, c.max_position_embeddings)
-    ids = _prompt(hf_model, c.vocab_size)[:n].to(device)
-    with torch.no_grad():
-        want = hf_model(input_ids=ids[None], use_cache=False).logits[0].float()
-    ops = runtime.bind(model.dtype)
-    block = 16
-    blocks = -(-n // block)
-    caches = [
-        tuple(torch.zeros(blocks, block, c.num_kv_heads, c.head_size, dtype=model.dtype, device=device) for _ in "kv")
-        for _ in range(c.num_layers)
-    ]
-    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
-    i32 = dict(dtype=torch.int32, device=device)
-    prefill = AttentionMetadata(
-        torch.arange(n - 1, device=device),
-        table,
-        torch.tensor([n - 1], **i32),
-        torch.tensor([0, n - 1], **i32),
-        n - 1,
-        is_decode=False,
-    )
-    decode = AttentionMetadata(
-        torch.tensor([n - 1], device=device), table, torch.tensor([n], **i32), torch.tensor([0, 1], **i32), 1, True
-    )
-    positions = torch.arange(n, device=device)
-    with torch.no_grad():
-        first = model.forward(ops, ids[: n - 1], positions[: n - 1], caches, prefill)
-        last = model.forward(ops, ids[n - 1 :], positions[n - 1 :], caches, decode)
-        got = model.compute_logits(ops, torch.cat([first, last])).float()
-    error = float((got - want).abs().max() / max(1.0, float(want.abs().max())))
-    tolerance = VERIFY_TOLERANCE.get(model.dtype, 0.1)
-    if not math.isfinite(error) or error > tolerance:
-        raise ImporterError(
-            f"{c.architecture}: the imported model's logits differ from transformers' by {error:.3g} (relative; "
-            f"allowed {tolerance:g} in {str(model.dtype).removeprefix('torch.')}) on a {n}-token check. Its "
-            "top-level forward likely does something the importer's skeleton (embedding -> layers -> norm -> LM "
-            "head) does not, such as scaled embeddings or soft-capped logits; this model is not supported (pass "
-            "verify=False only to debug the importer)"
-        )
-    return error

@@ -24,9 +24,13 @@ def render_import(report: dict[str, Any]) -> str:
     native = report["native"]
     lines.append("")
     lines.append(f"native torch nodes (not views): {len(native)}")
-    by_op = Counter(n["op"] for n in native)
+
+    def label(node: dict[str, str]) -> str:  # a dtype cast shows its dtypes: aten._to_copy.default (float32 -> ...)
+        return f"{node['op']} ({node['cast']})" if "cast" in node else node["op"]
+
+    by_op = Counter(label(n) for n in native)
     for op, count in sorted(by_op.items()):
-        pieces = sorted({n["piece"] for n in native if n["op"] == op})
+        pieces = sorted({n["piece"] for n in native if label(n) == op})
         lines.append(f"  {op} x{count}  in {', '.join(pieces)}")
     lines.append(f"view and layout nodes: {report['views']}")
     for note in report["notes"]:

@@ -1,0 +1,149 @@
+"""The import check: what no piece's graph shows, checked against ``transformers`` itself.
+
+The skeleton (embedding, rotary cos/sin from the positions, layers, final norm, LM head) is an
+assumption about the model's top-level ``forward``, and the attention mask, which the importer
+never traces, may carry a sliding window the attention call does not. So every import
+cross-checks each layer's window with the config, then runs the imported model (a prefill and one
+decode step on a small paged cache) and ``transformers`` on the same prompt, and refuses the model
+when their logits or their greedy tokens disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..models import AttentionMetadata
+from ._trace import ImporterError
+
+if TYPE_CHECKING:
+    from .model import ImportedModel
+
+__all__ = ["TIE_MARGIN", "VERIFY_TOKENS", "VERIFY_TOLERANCE", "check_windows", "verify_import"]
+
+#: Relative logit error (max |ours - transformers| over max(1, max |transformers|)) the import check allows.
+VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 0.1, torch.float16: 5e-2}
+#: Below this margin (same scale) between transformers' two best logits a position is a tie at the
+#: dtype's precision, where either greedy token is right. Set at about three times the error of a
+#: correct import: correct bfloat16 imports of the test families and of a random 8-layer Llama
+#: differ from transformers by about 0.01 of the scale (greedy flips seen at margins up to 0.02),
+#: float32 ones by under 1e-4. Above it the greedy tokens must agree, a stricter test than the
+#: logit tolerance.
+TIE_MARGIN = {torch.float32: 3e-4, torch.float64: 1e-8, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+#: Tokens of the import check's prompt: longer than a typical test sliding window, short for a big model.
+VERIFY_TOKENS = 12
+#: The layer types of ``config.layer_types`` the importer knows, and whether each uses the window.
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+def check_windows(who: str, config: Any, windows: Sequence[int]) -> None:
+    """Refuse a layer whose attention call's sliding window is not the one its config asks for.
+
+    The window the paged ops apply is the one each layer passes to its attention function. A
+    model that applies its window through the attention mask alone (built in the top-level
+    ``forward``, which the importer does not trace) would run full attention here, silently on any
+    prompt shorter than the window; the config says which window transformers applies.
+
+    :param windows: each layer's window as its traced attention call passes it (0: none).
+    :raises ImporterError: naming the layer, both windows and the fix.
+    """
+    window = int(getattr(config, "sliding_window", None) or 0)
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2 before layer_types
+        window = 0
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        expected = [window] * len(windows)
+    else:
+        unknown = sorted({str(t) for t in types} - set(_LAYER_TYPES))
+        if unknown or len(types) != len(windows):
+            raise ImporterError(
+                f"{who}: config.layer_types is {list(types)!r}; the importer knows {', '.join(_LAYER_TYPES)} for each "
+                f"of the {len(windows)} layers, so this model's attention cannot be imported; run it with "
+                "transformers itself"
+            )
+        expected = [window if _LAYER_TYPES[t] else 0 for t in types]
+    for i, (got, want) in enumerate(zip(windows, expected, strict=True)):
+        if got != want:
+            layer_type = f", config.layer_types[{i}]={types[i]!r}" if types is not None else ""
+            raise ImporterError(
+                f"{who} layers.{i} calls its attention with sliding window {got or 'none'}, but its config asks for "
+                f"{want or 'none'} (config.sliding_window={getattr(config, 'sliding_window', None)!r}{layer_type}). "
+                "The importer applies the window the attention call passes; a model that applies its window through "
+                "the attention mask alone would run the wrong attention here. Pass the window to the attention "
+                "function (sliding_window=..., as transformers' Mistral and Qwen2 do) or correct the config; "
+                "otherwise run this model with transformers itself"
+            )
+
+
+def verify_import(model: ImportedModel, hf_model: torch.nn.Module, runtime: Any) -> float:
+    """Prefill ``VERIFY_TOKENS - 1`` tokens and decode one with ``model``; compare with ``hf_model`` on the same ids.
+
+    :returns: the larger relative logit error of the two phases.
+    :raises ImporterError: when either phase's logits differ by more than ``VERIFY_TOLERANCE`` or a
+        greedy token differs (ties at the dtype's precision apart), with both errors and how to
+        tell the model's fault from the importer's or a kernel's.
+    """
+    c = model.config
+    n = min(VERIFY_TOKENS, c.max_position_embeddings)
+    ids = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).to(model.device)
+    with torch.no_grad():
+        want = hf_model(input_ids=ids[None], use_cache=False).logits[0].float()
+    got = _run_imported(model, runtime, ids)
+    scale = max(1.0, float(want.abs().max()))
+    phases = {"prefill": slice(0, n - 1), "decode": slice(n - 1, n)}
+    errors = {phase: float((got[s] - want[s]).abs().max()) / scale for phase, s in phases.items()}
+    tolerance = VERIFY_TOLERANCE.get(model.dtype, 0.1)
+    best = want.topk(min(2, want.shape[-1]), dim=-1).values
+    decisive = best[:, 0] - best[:, -1] > TIE_MARGIN.get(model.dtype, 4e-2) * scale
+    flipped = ((got.argmax(-1) != want.argmax(-1)) & decisive).nonzero().flatten().tolist()
+    if flipped or not all(math.isfinite(e) and e <= tolerance for e in errors.values()):
+        raise ImporterError(_refusal(model, runtime, n, errors, tolerance, flipped))
+    return max(errors.values())
+
+
+def _run_imported(model: ImportedModel, runtime: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``ids`` from the imported model: all but the last in one prefill, the last in a decode step."""
+    c, device, n = model.config, model.device, ids.shape[0]
+    ops = runtime.bind(model.dtype)
+    block = runtime.platform.kv_block_size  # the block size the engine will run the model with
+    blocks = -(-n // block)
+    caches = [
+        tuple(torch.zeros(blocks, block, c.num_kv_heads, c.head_size, dtype=model.dtype, device=device) for _ in "kv")
+        for _ in range(c.num_layers)
+    ]
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    i32 = dict(dtype=torch.int32, device=device)
+    positions = torch.arange(n, device=device)  # also the slots: the table holds blocks 0, 1, ... in order
+    prefill = AttentionMetadata(
+        positions[: n - 1], table, torch.tensor([n - 1], **i32), torch.tensor([0, n - 1], **i32), n - 1, is_decode=False
+    )
+    decode = AttentionMetadata(
+        positions[n - 1 :], table, torch.tensor([n], **i32), torch.tensor([0, 1], **i32), 1, is_decode=True
+    )
+    with torch.no_grad():
+        first = model.forward(ops, ids[: n - 1], positions[: n - 1], caches, prefill)
+        last = model.forward(ops, ids[n - 1 :], positions[n - 1 :], caches, decode)
+        return model.compute_logits(ops, torch.cat([first, last])).float()
+
+
+def _refusal(
+    model: ImportedModel, runtime: Any, n: int, errors: dict[str, float], tolerance: float, flipped: list[int]
+) -> str:
+    dtype = str(model.dtype).removeprefix("torch.")
+    platform = runtime.platform.name
+    tokens = f"; greedy tokens differ at positions {flipped} of {n}" if flipped else "; greedy tokens agree"
+    return (
+        f"{model.config.architecture}: the import check against transformers failed on platform {platform!r}: "
+        f"prefill logits ({n - 1} tokens) differ by {errors['prefill']:.3g} and decode logits (1 step) by "
+        f"{errors['decode']:.3g}, relative to the logits' scale (allowed {tolerance:g} in {dtype}){tokens}. "
+        "Either the model's top-level forward does work outside the pieces the importer traces (embedding -> "
+        "layers -> norm -> LM head), such as scaled embeddings or soft-capped logits, and this model is not "
+        "supported; or the importer or one of the platform's kernels is at fault. To tell which, import it on "
+        "another platform (`--device cpu`, `vllm_port.load(device='cpu')`) or with reference kernels "
+        "(VLLM_PORT_OP_PROVIDERS=<op>=reference): if the check passes there, a kernel is at fault (`vllm-port "
+        "doctor`); if only decode differs, suspect the paged cache path (reshape_and_cache, paged_attention). "
+        "import_model(..., verify=False) skips the check (only to debug the importer)"
+    )
