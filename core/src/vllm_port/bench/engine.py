@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from ._decode import decode_rate, time_decode, warm_up
+
 __all__ = ["CPU_WORKLOAD", "H200_WORKLOAD", "Workload", "build_model", "main", "make_prompts", "run"]
 
 #: Where ``dev/vllm_peer.py`` lives in a checkout (the peer is not part of the installed package).
@@ -129,7 +131,7 @@ def run_engine(
     model_dir: Path, prompts: list[list[int]], w: Workload, device: str | None, step: str = "eager", **llm_kwargs: Any
 ) -> dict[str, Any]:
     """The engine on ``prompts``: output tok/s of the whole run, batch and per-request time to first token."""
-    from ..engine import LLM, SamplingParams
+    from ..engine import LLM
 
     make_step = None
     if step == "flat":
@@ -150,25 +152,26 @@ def run_engine(
         **({"make_step": make_step} if make_step is not None else {}),
         **llm_kwargs,
     )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
-        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        llm.generate(prompts[: min(4, len(prompts))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        start = time.perf_counter()
-        llm.generate(prompts, first)
-        batch_ttft = time.perf_counter() - start
-        first_token: dict[int, float] = {}
-        tokens = 0
+    first_token: dict[int, float] = {}
+    tokens = 0
+
+    def stream(prompts: list[list[int]], params: Any) -> None:
+        """The whole run, streamed: each request's first token timed, every output token counted."""
+        nonlocal tokens
         start = time.perf_counter()
         for delta in llm.stream(prompts, params):
             first_token.setdefault(delta.index, time.perf_counter() - start)
             tokens += len(delta.token_ids)
-        elapsed = time.perf_counter() - start
+
+    try:
+        warm_up(llm, prompts)
+        timing = time_decode(llm, prompts, w.output_len, whole_run=stream)
+        elapsed = timing.total_s
         return {
             "output_tok_s": _rate(tokens, elapsed),
             "elapsed_s": elapsed,
             "output_tokens": tokens,
-            "ttft_batch_s": batch_ttft,
+            "ttft_batch_s": timing.prefill_s,
             "ttft_mean_s": sum(first_token.values()) / max(len(first_token), 1),
             "platform": llm.runtime.platform.name,
             "provider_per_op": llm.provider_per_op,
@@ -257,8 +260,8 @@ def _decode_rates(
     for batch in w.decode_batches:
         wb = replace(w, num_requests=batch)
         res = run_engine(model_dir, make_prompts(wb, seed=1), wb, device, step, **llm_kwargs)
-        decode_s = res["elapsed_s"] - res["ttft_batch_s"]
-        steps = w.output_len - 1
+        rate = decode_rate(batch, w.output_len, res["elapsed_s"] - res["ttft_batch_s"])
+        step_s = rate["step_ms"] / 1e3
         kv_token_bytes = 2 * w.num_layers * w.num_kv_heads * (w.hidden_size // w.num_heads) * _itemsize(w.dtype)
         mean_context = w.prompt_len + w.output_len / 2
         step_bytes = _weight_bytes(w) + batch * mean_context * kv_token_bytes
@@ -269,13 +272,12 @@ def _decode_rates(
         rows.append(
             {
                 "batch": batch,
-                "decode_tok_s": _rate(batch * steps, decode_s),
-                "step_ms": decode_s / steps * 1e3,
+                **rate,
                 "step_bytes": step_bytes,
-                "achieved_gbs": step_bytes / (decode_s / steps) / 1e9,
+                "achieved_gbs": step_bytes / step_s / 1e9,
                 "devices": ranks,
                 "device_step_bytes": rank_bytes,
-                "device_gbs": rank_bytes / (decode_s / steps) / 1e9,
+                "device_gbs": rank_bytes / step_s / 1e9,
             }
         )
     dev = torch.device(device if device and device != "auto" else (_accelerator_type() or "cpu"))

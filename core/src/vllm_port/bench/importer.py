@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._decode import decode_rate, time_decode, warm_up
 from .engine import H200_WORKLOAD, Workload, build_model, make_prompts
 
 __all__ = ["TINY_WORKLOAD", "main", "render", "run"]
@@ -66,7 +67,7 @@ def _make_step(step: str) -> Any:
 
 
 def _decode_rate(model_dir: Path, importer: str | None, w: Workload, batch: int, device: str, step: str) -> dict:
-    from ..engine import LLM, SamplingParams
+    from ..engine import LLM
 
     make_step = _make_step(step)
     start = time.perf_counter()
@@ -84,24 +85,15 @@ def _decode_rate(model_dir: Path, importer: str | None, w: Workload, batch: int,
     load_s = time.perf_counter() - start
     try:
         prompts = make_prompts(replace(w, num_requests=batch), seed=1)
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        full = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
-        llm.generate(prompts[: min(4, batch)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        start = time.perf_counter()
-        llm.generate(prompts, one)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, full)
-        total_s = time.perf_counter() - start
-        decode_s = max(total_s - prefill_s, 1e-9)
+        warm_up(llm, prompts)
+        timing = time_decode(llm, prompts, w.output_len)
         return {
             "batch": batch,
-            "decode_tok_s": batch * (w.output_len - 1) / decode_s,
-            "step_ms": decode_s / (w.output_len - 1) * 1e3,
+            **decode_rate(batch, w.output_len, timing.decode_s),
             "load_s": load_s,
             "platform": llm.platform,
             "captured": bool(llm.captured_batch_sizes),
-            "first_tokens": [o.outputs[0].token_ids[:8] for o in outputs[:2]],
+            "first_tokens": [o.outputs[0].token_ids[:8] for o in timing.outputs[:2]],
         }
     finally:
         llm.close()

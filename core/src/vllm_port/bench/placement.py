@@ -24,13 +24,13 @@ decode step ran (fewer than the batch: the KV cache held fewer, flagged). Prints
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ._decode import decode_rate, time_decode, warm_up
 from .engine import CPU_WORKLOAD, H200_WORKLOAD, Workload, build_model
 
 __all__ = ["SHAPES", "add_arguments", "main", "run"]
@@ -87,12 +87,8 @@ def _decode_rate(llm: Any, w: Workload, batch: int, seed: int = 1, repeats: int 
     """Decode rate at ``batch``: the first run at this batch size apart, then the median of ``repeats`` more."""
     import statistics
 
-    from ..engine import SamplingParams
-
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, w.vocab_size, (batch, w.prompt_len), generator=g).tolist()
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    full = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
 
     most = 0  # the most sequences a decode step ran: fewer than the batch means the KV cache held fewer
     execute = llm.runner.execute
@@ -103,28 +99,19 @@ def _decode_rate(llm: Any, w: Workload, batch: int, seed: int = 1, repeats: int 
             most = max(most, len(batch.query_lens))
         return execute(batch)
 
-    def decode_seconds() -> float:
-        """Seconds of the decode steps of one run: a whole run less a run of its prefill alone."""
-        start = time.perf_counter()
-        llm.generate(prompts, one)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        llm.generate(prompts, full)
-        return max(time.perf_counter() - start - prefill, 1e-9)
-
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # load, first use
+    # load and first use with one sequence, so that the first run at this batch size is the next one
+    warm_up(llm, prompts, num_prompts=1, max_tokens=2)
     llm.runner.execute = counting  # an instance attribute over the method, for these runs only
     try:
-        cold = decode_seconds()  # the first decode steps at this batch size: whatever compiles per shape runs here
-        decode = statistics.median(decode_seconds() for _ in range(max(1, repeats)))
+        # the first decode steps at this batch size: whatever compiles per shape runs here
+        cold = time_decode(llm, prompts, w.output_len).decode_s
+        decode = statistics.median(time_decode(llm, prompts, w.output_len).decode_s for _ in range(max(1, repeats)))
     finally:
         del llm.runner.execute
-    steps = w.output_len - 1
     return {
         "batch": batch,
-        "decode_tok_s": batch * steps / decode,
-        "step_ms": decode / steps * 1e3,
-        "cold_step_ms": cold / steps * 1e3,
+        **decode_rate(batch, w.output_len, decode),
+        "cold_step_ms": decode_rate(batch, w.output_len, cold)["step_ms"],
         "decode_seqs": most,
     }
 

@@ -14,9 +14,12 @@ See docs/placement.md.
 from __future__ import annotations
 
 from .model import EnginePlacement, PlacedKVCache, PlacedModel
-from .plan import PlacedGraph, Transfer, TransferStats, WeightStore, node_parts, place
+from .parts import node_parts
+from .plan import PlacedGraph, place
 from .platforms import Platforms, load_many
 from .policy import PARTS, PlacementError, PlacementPolicy, PlacementRule, load_policy
+from .transfers import Transfer, TransferStats
+from .weights import WeightStore
 
 __all__ = [
     "PARTS",

@@ -28,9 +28,12 @@ from ..flat.trace import PHASES, graph_inputs, trace, weight_paths
 from ..kv_pool import blocks_for_budget
 from ..memory import KVCache, KVLayout
 from ..runtime import Runtime
-from .plan import PlacedGraph, Transfer, TransferStats, WeightStore, _choose, device_context, place
-from .platforms import Platforms, load_many
+from ._assign import choose_target
+from .plan import PlacedGraph, place
+from .platforms import Platforms, device_context, load_many
 from .policy import PlacementError, PlacementPolicy, load_policy
+from .transfers import Transfer, TransferStats
+from .weights import WeightStore
 
 __all__ = ["EnginePlacement", "PlacedKVCache", "PlacedModel"]
 
@@ -92,7 +95,9 @@ class PlacedModel:
         #: each decoder layer's platform for its KV cache (the platform of its attention nodes)
         self.layer_platforms = [caches[f"k_cache_{i}"] for i in range(num_layers)] if caches else []
         head_weight = weight_paths(model).get(id(model.lm_head), LM_HEAD)
-        self.head_platform, self.head_rule = _choose(self.policy.rules, _HeadNode(head_weight), LM_HEAD, self.default)
+        self.head_platform, self.head_rule = choose_target(
+            self.policy.rules, _HeadNode(head_weight), LM_HEAD, self.default
+        )
         self._head_weight = self.weights.get(
             model.lm_head, self.head_platform, self.platforms.device(self.head_platform), head_weight
         )

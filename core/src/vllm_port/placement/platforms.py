@@ -8,13 +8,17 @@
     platforms.device("cuda:1")                         # a placement target: device 1 of the cuda platform
 
 A placement *target* is a platform name (its device 0) or ``NAME:INDEX`` for another device of it
-(``"cuda:1"``: a pipeline split over the GPUs of one process); ``NAME:0`` is written ``NAME``.
+(``"cuda:1"``: a pipeline split over the GPUs of one process); ``NAME:0`` is written ``NAME``. A
+target's kernels run with its device made current (:func:`device_context`, :func:`run_on_device`):
+Triton launches on the current device, where torch's own ops follow their tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +27,7 @@ from ..errors import SelectionError
 from ..memory import Allocator
 from ..runtime import Runtime, select
 
-__all__ = ["Platforms", "load_many", "split_target"]
+__all__ = ["Platforms", "device_context", "load_many", "run_on_device", "split_target"]
 
 
 def split_target(target: str) -> tuple[str, int]:
@@ -36,6 +40,26 @@ def normal_target(target: str) -> str:
     """``"cuda:0"`` -> ``"cuda"`` (device 0 is the platform's own); other targets as they are."""
     name, index = split_target(target)
     return name if index == 0 else f"{name}:{index}"
+
+
+def run_on_device(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``fn`` called with ``device`` the current device of its type (restored after)."""
+    module = torch.get_device_module(device.type)
+
+    def on_device(*args: Any, **kwargs: Any) -> Any:
+        with module.device(device.index):
+            return fn(*args, **kwargs)
+
+    # a plain name for fx's code generation, as the transfer nodes have
+    on_device.__module__, on_device.__name__, on_device.__qualname__ = "placement", "on_device", "on_device"
+    return on_device
+
+
+def device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made current where it is a non-zero accelerator device (its kernels launch there); else nothing."""
+    if device.type == "cpu" or not device.index:
+        return contextlib.nullcontext()
+    return torch.get_device_module(device.type).device(device.index)
 
 
 class Platforms(Mapping[str, Runtime]):

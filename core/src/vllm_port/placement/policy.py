@@ -19,7 +19,7 @@ match (a rule without selectors matches every node):
 
 - ``op``: a contract op (``"linear"``) or a torch op (``"aten.add.Tensor"``), or a list of them;
 - ``part``: the node's role in a decoder: ``embedding``, ``attention``, ``mlp``, ``norm``,
-  ``lm_head`` or ``other`` (see :mod:`vllm_port.placement.plan`), or a list of them;
+  ``lm_head`` or ``other`` (see :mod:`vllm_port.placement.parts`), or a list of them;
 - ``layers``: decoder layers, inclusive: ``"0-15"``, ``[0, 15]`` or one layer ``7``;
 - ``node``: a glob over node names as ``vllm-port inspect`` prints them (``"linear_*"``);
 - ``weight``: a glob over the names of the weights a node reads (``"layers.*.gate_up_weight"``).
