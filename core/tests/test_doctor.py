@@ -24,6 +24,13 @@ def test_json_selects_cpu_lists_every_plugin_and_smoke_passes():
     report = json.loads(out)
     assert code == 0, err
     assert report["selected"] == "cpu" and report["api_version"] == "1.1"
+    assert report["platform"] == {
+        "graph_capture": False,
+        "compile_backend": "inductor",
+        "memory_tiers": ["device"],
+        "kv_block_size": 16,
+        "dist_backend": "gloo",
+    }
     for plugin in report["plugins"]:
         assert {"name", "version", "available", "reason", "device_type", "device_count", "priority", "error"} <= set(
             plugin

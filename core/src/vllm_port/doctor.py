@@ -130,10 +130,22 @@ def _comm(runtime: Runtime) -> dict[str, Any]:
         return {"served_by": {}, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def _platform_facts(description: Any) -> dict[str, Any]:
+    """What an engine takes from the selected platform's description."""
+    return {
+        "graph_capture": description.graph_capture,
+        "compile_backend": description.compile_backend,
+        "memory_tiers": list(description.memory_tiers),
+        "kv_block_size": description.kv_block_size,
+        "dist_backend": description.dist_backend,
+    }
+
+
 def diagnose(plugins: str | None = None, device: str | None = None, strict: bool | None = None) -> dict[str, Any]:
     """Everything ``doctor`` reports, as one JSON-ready object.
 
-    Keys: ``api_version``, ``selected``, ``selection_reason``, ``error``, ``plugins``, ``excluded``,
+    Keys: ``api_version``, ``selected``, ``selection_reason``, ``platform`` (the selected platform's
+    static facts: graph capture, compile backend, memory tiers, KV block size), ``error``, ``plugins``, ``excluded``,
     ``ops`` (op -> bound ``provider``, ``by_dtype``, ``candidates``, ``failed`` providers with the
     reason and what serves instead, ``slow`` warnings), ``smoke`` (op -> PASS/FAIL), ``memory``,
     ``comm``, ``fallbacks`` (what the layer replaced on its own), ``strict`` and ``strict_problems``
@@ -156,6 +168,7 @@ def diagnose(plugins: str | None = None, device: str | None = None, strict: bool
         selected, reason = select(found, device)
         runtime = Runtime(found, selected, reason)
         report["selected"], report["selection_reason"] = selected.description.name, reason  # type: ignore[union-attr]
+        report["platform"] = _platform_facts(selected.description)
     except SelectionError as exc:
         report["error"] = str(exc)
     report["ops"] = {}
@@ -223,6 +236,13 @@ def render(report: dict[str, Any]) -> str:
     lines.append("")
     if report["selected"]:
         lines.append(f"Selected platform: {report['selected']} ({report['selection_reason']})")
+        facts = report.get("platform") or {}
+        if facts:
+            lines.append(
+                f"  graph capture: {'yes' if facts['graph_capture'] else 'no'}; compile backend: "
+                f"{facts['compile_backend']}; memory tiers: {', '.join(facts['memory_tiers'])}; "
+                f"KV block size: {facts['kv_block_size']} tokens; comm: {facts['dist_backend']}"
+            )
     if report["error"]:
         lines.append(f"Error: {report['error']}")
     if report["ops"]:
