@@ -7,6 +7,11 @@ The fixtures of ``conftest.py`` save one of each with ``save_pretrained`` (safet
 - ``mistral_dir``: Mistral with a sliding window of 8 (shorter than the tests' sequences), 2 heads of 128
   over 1 KV head.
 
+``build_tiny_model`` also builds the importer-only families: ``phi3`` (fused ``qkv_proj`` and
+``gate_up_proj``, 2 heads of 96 over 1 KV head) and ``gemma2`` (scaled embeddings, ``(1 + w)``
+norms before and after attention and MLP, GELU-tanh, attention soft cap 2 and final soft cap 5 so
+that both act, sliding window 8 on alternate layers).
+
 ``tiny_model_dirs`` maps each family to its directory. Weights are re-drawn at unit scale (the
 transformers initialisation is so small that every layer is nearly the identity, which would let a
 wrong rotary table or bias pass unseen); norm weights and biases are random too.
@@ -72,6 +77,48 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
 }
+#: Families only the importer runs (no core model; kept apart from ``TINY_CONFIGS``, which the core
+#: model's tests iterate): Phi-3 fuses q/k/v and gate/up in its checkpoint; Gemma-2 scales its
+#: embeddings, norms by (1 + w), soft-caps attention and logits, alternates windowed layers.
+IMPORT_ONLY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            hidden_size=192,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            original_max_position_embeddings=256,
+        ),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=8,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            rope_theta=10000.0,
+            hidden_activation="gelu_pytorch_tanh",
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+            # untied: with tied embeddings scaled by sqrt(hidden), a random model predicts the token it
+            # reads, and greedy output repeats one token, which would test nothing
+            tie_word_embeddings=False,
+        ),
+    ),
+}
 _COMMON = dict(
     vocab_size=512, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5
 )
@@ -81,7 +128,7 @@ def build_tiny_model(family: str, seed: int = 0, **overrides):
     """A random ``transformers`` model of ``family`` at unit-scale weights (float32, eager attention)."""
     import transformers
 
-    config_cls, model_cls, kwargs = TINY_CONFIGS[family]
+    config_cls, model_cls, kwargs = {**TINY_CONFIGS, **IMPORT_ONLY_CONFIGS}[family]
     config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

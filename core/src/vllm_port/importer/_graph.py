@@ -5,6 +5,7 @@ Shared by the rewriter (``_rewrite``) and its pattern families (``_rotary``).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -18,9 +19,11 @@ __all__ = [
     "as_int",
     "cast_dtypes",
     "is_call",
+    "mutates",
     "ndim",
     "other_operand",
     "replace_node",
+    "slice_range",
     "through_casts",
     "traced_value",
     "writable",
@@ -49,17 +52,15 @@ VIEWS = {
     A.t.default,
     A.movedim.int,
     A.detach.default,
+    A.chunk.default,
 }
 #: dtype casts: compute when they change the dtype (listed as native casts), a view when they do not.
-CASTS = {A.to.dtype, A._to_copy.default, A.to.dtype_layout}
+CASTS = {A.to.dtype, A._to_copy.default, A.to.dtype_layout, A.type_as.default}
 #: Views through which an in-place write reaches its base element for element (``writable`` walks
 #: them). Not ``expand`` (its broadcast elements share memory: a write would land twice) and not the
 #: splits (handled apart: their pieces are disjoint); ``to`` may return its input itself.
-WRITE_THROUGH = (VIEWS - {A.expand.default, A.split_with_sizes.default, A.split.Tensor}) | {
-    A.to.dtype,
-    A.to.dtype_layout,
-}
-SPLITS = {A.split_with_sizes.default, A.split.Tensor}
+SPLITS = {A.split_with_sizes.default, A.split.Tensor, A.chunk.default}
+WRITE_THROUGH = (VIEWS - {A.expand.default} - SPLITS) | {A.to.dtype, A.to.dtype_layout, A.type_as.default}
 SHAPE_OPS = {A.sym_size.int, A.sym_numel.default, A.sym_stride.int}
 
 
@@ -106,8 +107,9 @@ def writable(x: fx.Node) -> bool:
     """Whether ``x`` may be written in place: no other node reads its storage, through any alias.
 
     Walks from ``x`` up through the views that alias their input element for element
-    (``WRITE_THROUGH``) and through a piece of a split (the pieces are disjoint, so a write to one
-    is not seen by its siblings); every node passed must be read by the walk's path alone. ``x`` is
+    (``WRITE_THROUGH``) and through a piece of a split or chunk, or a slice whose siblings are
+    slices of the same dimension over other ranges (the pieces are disjoint, so a write to one is
+    not seen by its siblings); every other node passed must be read by the walk's path alone. ``x`` is
     writable when the walk ends at a node that allocates its output (an op whose schema returns no
     alias, e.g. ``linear``); a placeholder, a weight, an in-place op or any other aliasing op
     (``expand``, ``as_strided``, ...) is not.
@@ -120,6 +122,9 @@ def writable(x: fx.Node) -> bool:
             if None in indices or len(set(indices)) != len(indices):
                 return False
             node = split.args[0]
+        elif is_call(node, A.slice.Tensor) and _disjoint_slices(node.args[0]):
+            node = node.args[0]  # read by its slices alone, which do not overlap: q, k and v of one projection
+            continue
         elif is_call(node, *WRITE_THROUGH):
             node = node.args[0]
         else:
@@ -139,3 +144,36 @@ def cast_dtypes(node: fx.Node) -> str | None:
     if before.dtype == after.dtype:
         return None
     return f"{str(before.dtype).removeprefix('torch.')} -> {str(after.dtype).removeprefix('torch.')}"
+
+
+def slice_range(node: Any) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` of a unit-step ``slice`` over a static dimension, clamped to it; ``None`` otherwise."""
+    if not is_call(node, A.slice.Tensor):
+        return None
+    source = traced_value(node.args[0])
+    args = [*node.args[1:], None, None, None, None][:4]
+    dim, start, stop, step = (0 if args[0] is None else args[0]), args[1] or 0, args[2], args[3] or 1
+    if not isinstance(source, torch.Tensor) or not all(isinstance(v, int) for v in (dim, start, step)) or step != 1:
+        return None
+    dim %= source.dim()
+    size = source.shape[dim]
+    if not isinstance(size, int) or not isinstance(stop, (int, type(None))) or start < 0 or (stop or 0) < 0:
+        return None
+    return dim, min(start, size), size if stop is None else max(0, min(stop, size))
+
+
+def _disjoint_slices(base: Any) -> bool:
+    """Whether every read of ``base`` is a slice of one dimension, and no two of them overlap."""
+    if not isinstance(base, fx.Node):
+        return False
+    ranges = [slice_range(u) for u in base.users]
+    if None in ranges or len({r[0] for r in ranges}) != 1:
+        return False
+    spans = sorted((r[1], r[2]) for r in ranges)
+    return all(prev[1] <= nxt[0] for prev, nxt in itertools.pairwise(spans))
+
+
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes one of its inputs (an in-place or ``out=`` op), as its schema says."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)

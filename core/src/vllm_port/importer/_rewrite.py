@@ -4,7 +4,10 @@ Recognition reads the aten graph, never a module's class name: an RMSNorm is ``w
 rsqrt(mean(x^2, -1) + eps))`` with its casts, whatever module computed it; rotary embedding is
 ``x * cos + cat(-x[..., d/2:], x[..., :d/2]) * sin`` over the layer's cos/sin inputs; a gated MLP
 is ``act(a) * b`` over the two halves of one projection (after the linears that read the same input
-are fused into one); attention is the node transformers' attention seam left (see ``_trace``).
+are fused into one, or stored fused: Phi-3's ``gate_up_proj``); attention is the node
+transformers' attention seam left (see ``_trace``). Before the patterns, what computes nothing at
+inference goes (dropout in eval, concatenations with empty tensors) and ops over small weights
+alone are folded into constants (Gemma-2's ``1 + weight`` norms).
 A pattern replaces its nodes only when every intermediate value is read inside the pattern alone,
 so nothing else observes a value that no longer exists. What matches nothing stays: native aten
 nodes, run as traced.
@@ -39,9 +42,11 @@ from ._graph import (
     VIEWS,
     cast_dtypes,
     is_call,
+    mutates,
     ndim,
     other_operand,
     replace_node,
+    slice_range,
     through_casts,
     traced_value,
 )
@@ -139,6 +144,81 @@ class _Rewriter:
     def only_read_by(node: fx.Node, allowed: set[fx.Node]) -> bool:
         return set(node.users) <= allowed
 
+    # simplification ---------------------------------------------------------------------------------
+    def simplify(self) -> None:
+        """Drop nodes that compute nothing at inference, so the patterns see what remains.
+
+        ``dropout`` with ``train=False`` (or ``p=0``) returns its input (Phi-3's residual dropouts);
+        a ``cat`` whose other inputs are statically empty along its dimension is its one non-empty
+        input (Phi-3 concatenates the rotated part of each head with the part past the rotary
+        dimension, empty when the rotary covers the whole head).
+        """
+        for node in list(self.graph.nodes):
+            if (
+                is_call(node, A.dropout.default)
+                and len(node.args) == 3
+                and (node.args[2] is False or node.args[1] == 0)
+            ):
+                replace_node(node, node.args[0])
+                self.graph.erase_node(node)
+            elif is_call(node, A.cat.default):
+                self._drop_empty_cat(node)
+        self.graph.eliminate_dead_code()
+
+    def _drop_empty_cat(self, cat: fx.Node) -> None:
+        parts, out = cat.args[0], traced_value(cat)
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        if not isinstance(out, torch.Tensor) or not isinstance(dim, int):
+            return
+        vals = [traced_value(p) if isinstance(p, fx.Node) else None for p in parts]
+        if not all(isinstance(v, torch.Tensor) and v.dim() == out.dim() for v in vals):
+            return
+        kept = [
+            p for p, v in zip(parts, vals, strict=True) if not (isinstance(v.shape[dim], int) and v.shape[dim] == 0)
+        ]
+        if len(kept) != 1 or any(mutates(u) for u in cat.users):
+            return  # cat allocates its result: the kept input may stand for it only where nothing writes it
+        val = traced_value(kept[0])
+        if val.dtype != out.dtype or val.shape != out.shape:
+            return
+        replace_node(cat, kept[0])
+        self.graph.erase_node(cat)
+
+    # constant folding -------------------------------------------------------------------------------
+    def fold_constants(self) -> None:
+        """Compute once, at import, the ops that read only vectors or scalars of the model's own weights.
+
+        Gemma's norms scale by ``1 + weight`` computed in float32 at every call; folded, that is one
+        1-D weight the ``rms_norm`` pattern can take. Only tensors of at most one dimension are read
+        (norm weights, scales), so no matrix is ever copied; the result gets its own storage.
+        """
+        chains: dict[str, list[str]] = {}  # the weights folded over -> the ops folded, in order
+        for node in list(self.graph.nodes):
+            target = node.target
+            if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or mutates(node):
+                continue
+            if torch.Tag.nondeterministic_seeded in target.tags or not node.all_input_nodes:
+                continue
+            tensors = [self.attr(n) for n in node.all_input_nodes]
+            if any(t is None or t.dim() > 1 for t in tensors):
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.attr)
+            with torch.no_grad():
+                value = target(*args, **kwargs)
+            if not isinstance(value, torch.Tensor):
+                continue
+            sources = sorted({self.name(n) for n in node.all_input_nodes})
+            roots = [s.removesuffix(".folded") for s in sources]
+            root = ", ".join(roots)
+            ops = [op for s, r in zip(sources, roots, strict=True) if s != r for op in chains.pop(r, [])]
+            chains[root] = [*ops, _op_name(target).removeprefix("aten.")]
+            with self.graph.inserting_before(node):
+                const = self.new_attr(value.detach().clone(), f"{root}.folded")
+            replace_node(node, const)
+            self.graph.erase_node(node)
+        for root, ops in chains.items():
+            self.report.notes.append(f"folded at import: {root} through {', '.join(ops)} (computed once)")
+
     # RMSNorm ----------------------------------------------------------------------------------------
     def rms_norms(self) -> None:
         for r in list(self.graph.nodes):
@@ -181,10 +261,24 @@ class _Rewriter:
         inner = [sq, mean, add, r, scaled, *casts]
         if not all(self.only_read_by(n, {*inner, final}) for n in inner):
             return
+        # casts after the weight (Gemma scales in float32, then casts back): the op returns x's dtype,
+        # so the match ends at the last node of that dtype
+        chain = [final]
+        while len(chain[-1].users) == 1 and is_call(next(iter(chain[-1].users)), *CASTS):
+            chain.append(next(iter(chain[-1].users)))
+        dtypes = [getattr(traced_value(n), "dtype", None) for n in chain]
+        if val.dtype not in dtypes:
+            return
+        end = len(dtypes) - 1 - dtypes[::-1].index(val.dtype)
+        chain = chain[: end + 1]
+        detail = f"eps={eps:g}, weight {self.name(weight)}"
         with self.graph.inserting_before(final):
+            if w.dtype != val.dtype:  # the op takes the weight in x's dtype
+                detail += f" (cast {str(w.dtype).removeprefix('torch.')} -> {str(val.dtype).removeprefix('torch.')})"
+                weight = self.new_attr(w.to(val.dtype), self.name(weight))
             call = self.graph.call_function(contract_rms_norm, (self.inputs["ops"], x, weight, float(eps)))
-        replace_node(final, call)
-        self.map("rms_norm", ("rms_norm",), [*inner, final], f"eps={eps:g}, weight {self.name(weight)}")
+        replace_node(chain[-1], call)
+        self.map("rms_norm", ("rms_norm",), [*inner, *chain], detail)
 
     # rotary (``_rotary``) ---------------------------------------------------------------------------
     def rotaries(self, cos: fx.Node | None, sin: fx.Node | None) -> None:
@@ -241,31 +335,23 @@ class _Rewriter:
                 act, up = up, act
             if not is_call(act, *activations) or len(act.users) != 1:
                 continue
-            gate = act.args[0]
-            if (
-                not (is_call(gate, operator.getitem) and is_call(up, operator.getitem))
-                or gate.args[0] is not up.args[0]
-            ):
+            halves = _halves(act.args[0], up)
+            if halves is None:
                 continue
-            split = gate.args[0]
-            if not is_call(split, A.split_with_sizes.default) or (gate.args[1], up.args[1]) != (0, 1):
-                continue
-            sizes = list(split.args[1])
-            if len(sizes) != 2 or sizes[0] != sizes[1] or split.args[2] not in (-1, ndim(split.args[0]) - 1):
-                continue
-            if len(gate.users) != 1 or len(up.users) != 1 or len(split.users) != 2:
-                continue
+            y, split_nodes = halves
             name = activations[act.target]
             approximate = act.kwargs.get("approximate", act.args[1] if len(act.args) > 1 else "none")
             if name == "gelu" and approximate not in ("none", "tanh"):
                 continue
-            y = split.args[0]
             with self.graph.inserting_before(mul):
                 call = self.graph.call_function(contract_gated, (self.inputs["ops"], y, name, approximate))
             replace_node(mul, call)
             op = "silu_and_mul" if name == "silu" else "gelu_and_mul"
-            fused = ", ".join(y.meta.get("fused_from", [y.name]))
-            self.map("gated_mlp", (op,), [split, gate, up, act, mul], f"{name}(gate) * up over the halves of {fused}")
+            how = f"{name}(gate)" if name == "silu" else f"gelu(gate, approximate={approximate})"
+            source = ", ".join(
+                y.meta.get("fused_from", [self.name(y.args[1]) if is_call(y, A.linear.default) else y.name])
+            )
+            self.map("gated_mlp", (op,), [*split_nodes, act, mul], f"{how} * up over the halves of {source}")
 
     def linears(self) -> None:
         for node in list(self.graph.nodes):
@@ -321,6 +407,7 @@ class _Rewriter:
         replace_node(marker, call)
         self.graph.erase_node(marker)
         window_text = f", sliding window {window}" if window else ""
+        window_text += f", soft cap {float(cap):g}" if cap else ""
         self.map(
             "attention",
             ("reshape_and_cache", "paged_attention | prefill_attention"),
@@ -377,6 +464,44 @@ class _Rewriter:
             self.gm.register_buffer(new, tensors[old].detach(), persistent=True)
 
 
+def _halves(gate: Any, up: Any) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(y, the nodes that split it)`` when ``gate`` and ``up`` are the first and second half of ``y``'s last dim.
+
+    The halves may come from ``split_with_sizes``/``split``/``chunk`` (Llama's fused gate/up, Phi-3's
+    ``gate_up_proj.chunk(2)``) or from two slices; nothing else may read them or ``y``.
+    """
+    if not (isinstance(gate, fx.Node) and isinstance(up, fx.Node)) or len(gate.users) != 1 or len(up.users) != 1:
+        return None
+    if is_call(gate, operator.getitem) and is_call(up, operator.getitem) and gate.args[0] is up.args[0]:
+        split = gate.args[0]
+        y, val = split.args[0], traced_value(split.args[0])
+        width = val.shape[-1] if isinstance(val, torch.Tensor) else None
+        if is_call(split, A.split_with_sizes.default):  # the linears fused here have no traced value
+            width = sum(split.args[1])
+        if not isinstance(width, int) or width % 2 or (gate.args[1], up.args[1]) != (0, 1) or len(split.users) != 2:
+            return None
+        if is_call(split, A.split_with_sizes.default):
+            ok = list(split.args[1]) == [width // 2] * 2
+        elif is_call(split, A.split.Tensor):
+            ok = split.args[1] == width // 2
+        elif is_call(split, A.chunk.default):
+            ok = split.args[1] == 2
+        else:
+            return None
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if not ok or dim not in (-1, ndim(y) - 1) or len(y.users) != 1:
+            return None
+        return y, [split, gate, up]
+    a, b = slice_range(gate), slice_range(up)
+    if a is None or b is None or gate.args[0] is not up.args[0]:
+        return None
+    y = gate.args[0]
+    width = traced_value(y).shape[-1]
+    if a[0] != ndim(y) - 1 or (a[1:], b[1:]) != ((0, width // 2), (width // 2, width)) or width % 2:
+        return None
+    return (y, [gate, up]) if len(y.users) == 2 else None
+
+
 def _op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
@@ -427,6 +552,8 @@ def rewrite_piece(
         for name in ("ops", "positions", "key_cache", "value_cache", "meta"):
             inputs[name] = graph.placeholder(f"{name}_")
     rewriter = _Rewriter(gm, piece, names, rotary_table, inputs, who)
+    rewriter.simplify()
+    rewriter.fold_constants()
     rewriter.rms_norms()
     # fusion before rotary: the rotary's in-place proof (``writable``) must reason on the graph it
     # rewrites, where q and k are pieces of one fused projection, not on the linears fusion erases

@@ -1,8 +1,9 @@
 """``import_model``: a ``transformers`` causal LM as a flat model over the paged KV cache.
 
-The skeleton (what runs between the pieces) is the decoder-only one of Llama, Qwen2, Mistral and
-the many models shaped like them: token embedding, rotary cos/sin from the positions, decoder
-layers, final norm, LM head. The pieces are found through transformers' own accessors
+The skeleton (what runs between the pieces) is the decoder-only one of Llama, Qwen2, Mistral,
+Phi-3, Gemma-2 and the many models shaped like them: token embedding, rotary cos/sin from the
+positions, decoder layers, final norm, LM head (traced as the causal LM's forward after its base
+model, so a final soft cap comes with it). The pieces are found through transformers' own accessors
 (``get_input_embeddings``, ``get_output_embeddings``, the base model's ``layers``, ``norm`` and
 ``rotary_emb``); what each piece computes is read from its traced graph (``_rewrite``). Because the
 skeleton is an assumption about the model's top-level ``forward``, every import ends with the
@@ -51,11 +52,15 @@ class ImportedConfig:
 
 @dataclass
 class ImportReport:
-    """What the import recognised and what stays native, per piece; ``verify_error``: the import check's error."""
+    """What the import recognised and what stays native, per piece; ``verify_error``: the import check's error.
+
+    ``notes`` are about the whole model (e.g. fewer positions served than the config names).
+    """
 
     architecture: str
     pieces: list[PieceReport] = field(default_factory=list)
     verify_error: float | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def mapped(self) -> list[Mapped]:
@@ -71,7 +76,7 @@ class ImportReport:
             "mapped": [m.to_json() for m in self.mapped],
             "native": self.native,
             "views": sum(p.views for p in self.pieces),
-            "notes": [f"{p.piece}: {n}" for p in self.pieces for n in p.notes],
+            "notes": [*self.notes, *(f"{p.piece}: {n}" for p in self.pieces for n in p.notes)],
             "verify_error": self.verify_error,
         }
 
@@ -140,7 +145,7 @@ class ImportedModel:
 
     def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` of hidden states ``[n, hidden_size]``."""
-        return self.lm_head(ops, None, None, None, None, hidden)
+        return self.lm_head(ops, None, None, None, None, hidden[None])[0]
 
 
 # --- import ----------------------------------------------------------------------------------------
@@ -155,7 +160,7 @@ def _skeleton(model: torch.nn.Module) -> dict[str, Any]:
     who = _who(model)
     hint = (
         "the importer runs decoder-only causal LMs built as token embedding -> decoder layers (with rotary "
-        "position embeddings) -> final norm -> LM head, as Llama, Qwen2 and Mistral are"
+        "position embeddings) -> final norm -> LM head, as Llama, Qwen2, Mistral, Phi-3 and Gemma-2 are"
     )
     if not isinstance(model, torch.nn.Module):
         raise ImporterError(f"import_model: got a {who}, not a torch.nn.Module; pass a transformers causal LM ({hint})")
@@ -179,23 +184,58 @@ def _skeleton(model: torch.nn.Module) -> dict[str, Any]:
     return {"base": base, "embed": embed, "layers": list(base.layers), "norm": base.norm, "head": head}
 
 
-def _rotary_tables(base: torch.nn.Module, max_positions: int, dtype: torch.dtype, device: torch.device) -> Any:
-    """``(cos, sin)`` ``[max_positions, rotary_dim]`` from the model's own rotary module, and the NeoX table or None."""
+#: Positions at which the rotary table of a short sequence is compared with the one of the longest.
+_ROPE_PROBE = 16
+
+
+def _rotary_tables(
+    base: torch.nn.Module, max_positions: int, dtype: torch.dtype, device: torch.device, who: str
+) -> Any:
+    """``(cos, sin)`` ``[positions, rotary_dim]`` from the model's own rotary module, the NeoX table or None, and
+    the number of positions served.
+
+    The paged engine rotates each key once, when it is written, so one table must serve a sequence
+    at every length. The module is evaluated over all positions and over a short sequence; when the
+    two disagree on the short one's positions, its frequencies depend on the sequence length (Phi-3's
+    longrope switches from its short to its long factors past ``original_max_position_embeddings``).
+    Such a model is served up to that length, where the short sequence's table holds, or refused.
+    """
     rotary = base.rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
-    if rope_type in ("dynamic", "longrope"):
+
+    def evaluate(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(n, device=device)[None]
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), positions)
+        return cos[0].float(), sin[0].float()
+
+    def holds(n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        cos, sin = evaluate(n)  # the longest first: a stateful module ends in its short-sequence state
+        probe = min(n, _ROPE_PROBE)
+        short_cos, short_sin = evaluate(probe)
+        same = torch.equal(short_cos, cos[:probe]) and torch.equal(short_sin, sin[:probe])
+        return (cos, sin) if same else None
+
+    served, tables = max_positions, holds(max_positions)
+    config = getattr(rotary, "config", None)
+    rope_parameters = getattr(config, "rope_parameters", None)
+    original = (rope_parameters if isinstance(rope_parameters, dict) else {}).get("original_max_position_embeddings")
+    original = original or getattr(config, "original_max_position_embeddings", None)
+    if tables is None and isinstance(original, int) and 2 <= original < max_positions:
+        served, tables = original, holds(original)
+    if tables is None:
         raise ImporterError(
-            f"{type(rotary).__name__} uses rope type {rope_type!r}, whose frequencies change with the sequence "
-            "length; the importer needs one cos/sin table for every position (default, linear, llama3, yarn)"
+            f"{who}: its rotary embedding ({type(rotary).__name__}, rope type {rope_type!r}) gives the first "
+            f"{_ROPE_PROBE} positions other angles in a sequence of {max_positions} tokens than in a short one: its "
+            "frequencies depend on the sequence length, and the paged engine rotates every key once, when it is "
+            "cached, so one table must serve every length (default, linear, llama3, yarn; longrope up to its "
+            "original_max_position_embeddings). Run this model with transformers itself"
         )
-    positions = torch.arange(max_positions, device=device)[None]
-    with torch.no_grad():
-        cos, sin = rotary(torch.zeros((), dtype=torch.float32, device=device), positions)
-    cos, sin = cos[0].float(), sin[0].float()
+    cos, sin = tables
     half = cos.shape[-1] // 2
     neox = torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
     table = torch.cat([cos[:, :half], sin[:, :half]], dim=-1).contiguous() if neox else None
-    return (cos.to(dtype), sin.to(dtype)), table
+    return (cos.to(dtype), sin.to(dtype)), table, served
 
 
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
@@ -235,13 +275,19 @@ def import_model(
     max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
     if max_positions < 2:
         raise ImporterError(f"{who}: config.max_position_embeddings is {max_positions!r}; the importer needs it >= 2")
-    (cos, sin), table = _rotary_tables(parts["base"], max_positions, dtype, device)
+    (cos, sin), table, served = _rotary_tables(parts["base"], max_positions, dtype, device, who)
     hidden_size = parts["embed"].weight.shape[1]
     report = ImportReport(who)
+    if served < max_positions:
+        report.notes.append(
+            f"rotary: its table changes with the sequence length past {served} positions "
+            f"(rope type {getattr(parts['base'].rotary_emb, 'rope_type', 'default')!r}); served up to {served} of "
+            f"the config's max_position_embeddings {max_positions}"
+        )
+        max_positions = served
 
-    def hidden(tokens_dims: int = 3) -> torch.Tensor:
-        shape = (1, EXAMPLE_TOKENS, hidden_size) if tokens_dims == 3 else (EXAMPLE_TOKENS, hidden_size)
-        return torch.empty(shape, dtype=dtype, device=device)
+    def hidden() -> torch.Tensor:
+        return torch.empty((1, EXAMPLE_TOKENS, hidden_size), dtype=dtype, device=device)
 
     ids = torch.zeros(EXAMPLE_TOKENS, dtype=torch.long, device=device)
     embed = _import_piece(
@@ -261,9 +307,7 @@ def import_model(
     norm = _import_piece(
         lambda x: parts["norm"](x), [("hidden", hidden(), (False, True, False))], parts["norm"], "norm", who, report
     )
-    lm_head = _import_piece(
-        lambda x: parts["head"](x), [("hidden", hidden(2), (True, False))], parts["head"], "lm_head", who, report
-    )
+    lm_head = _import_head(hf_model, parts, hidden(), who, report)
     geometry = {(f["num_kv_heads"], f["head_size"]) for f in facts}
     if len(geometry) != 1:
         raise ImporterError(
@@ -298,6 +342,54 @@ def import_model(
     if verify:
         report.verify_error = verify_import(model, hf_model, runtime)
     return model
+
+
+class _HiddenStatesIn(torch.nn.Module):
+    """Stands in for the base model while the causal LM's forward is traced: returns ``inputs_embeds`` as its output."""
+
+    def forward(self, *args: Any, inputs_embeds: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+
+
+def _import_head(hf_model, parts, example, who, report) -> torch.fx.GraphModule:
+    """The LM head as the causal LM's own ``forward`` runs it after its base model.
+
+    The top-level forward may do more than the head's linear (Gemma-2 soft-caps its logits); it
+    is traced with the base model replaced by ``_HiddenStatesIn``, so whatever it does to the
+    hidden states it gets is in the graph (native where no pattern maps it). A forward that cannot be
+    traced so falls back to the head module alone, with a note; the import check then decides.
+    """
+    base = parts["base"]
+    attribute = next((name for name, child in hf_model.named_children() if child is base), None)
+    names = _param_names(hf_model)
+
+    def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+        out = hf_model(inputs_embeds=hidden, use_cache=False)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    inputs = [("hidden", example, (False, True, False))]
+    gm, why = None, "its base model is none of its attributes"
+    if attribute is not None:
+        setattr(hf_model, attribute, _HiddenStatesIn())
+        try:
+            gm = trace_piece(logits_of, inputs, f"{who} lm_head")
+        except ImporterError as exc:
+            why = str(exc)
+        finally:
+            setattr(hf_model, attribute, base)
+    traced_forward = gm is not None
+    if gm is None:
+        gm = trace_piece(lambda x: parts["head"](x), inputs, f"{who} lm_head")
+    gm, piece_report, _ = rewrite_piece(gm, "lm_head", names, who=who)
+    if not traced_forward:
+        piece_report.notes.append(
+            f"the causal LM's forward after its base model could not be traced ({why}); the LM head module alone "
+            "is imported, and the import check compares the logits with transformers'"
+        )
+    report.pieces.append(piece_report)
+    return gm
 
 
 def _layer_call(module: torch.nn.Module) -> Any:
