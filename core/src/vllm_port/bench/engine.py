@@ -344,9 +344,9 @@ def run(
         if model_dir is None and save_model is not None:
             model_dir = save_model
             if not (Path(save_model) / "config.json").is_file():
-                build_model(Path(save_model), w, seed, "cuda" if _on_gpu(device) else "cpu")
+                build_model(Path(save_model), w, seed, build_device(device))
         if model_dir is None:
-            model_dir = str(build_model(Path(tmp) / "model", w, seed, "cuda" if _on_gpu(device) else "cpu"))
+            model_dir = str(build_model(Path(tmp) / "model", w, seed, build_device(device)))
         prompts = make_prompts(w, seed)
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
@@ -388,6 +388,11 @@ def run(
 def _accelerator_type() -> str | None:
     """The device type of torch's current accelerator (``"cuda"``, ``"xpu"``, ...), or ``None``."""
     return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+
+
+def build_device(device: str | None) -> str:
+    """Where to build a random checkpoint: the accelerator when the run is on one (fast init), else the CPU."""
+    return (_accelerator_type() or "cpu") if _on_gpu(device) else "cpu"
 
 
 def _on_gpu(device: str | None) -> bool:

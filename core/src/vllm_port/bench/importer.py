@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ._decode import decode_rate, time_decode, warm_up
-from .engine import H200_WORKLOAD, Workload, build_model, make_prompts
+from .engine import H200_WORKLOAD, Workload, build_device, build_model, make_prompts
 
 __all__ = ["TINY_WORKLOAD", "main", "render", "run"]
 
@@ -99,8 +99,8 @@ def _decode_rate(model_dir: Path, importer: str | None, w: Workload, batch: int,
         llm.close()
         del llm
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if torch.accelerator.is_available():
+            torch.accelerator.empty_cache()
 
 
 def _shape_of(path: Path, w: Workload) -> Workload:
@@ -135,7 +135,7 @@ def run(
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(model_dir or save_model or scratch)
         if not (path / "config.json").is_file():
-            build_model(path, w, device="cuda" if device.startswith("cuda") and torch.cuda.is_available() else "cpu")
+            build_model(path, w, device=build_device(device))
         else:  # an existing checkpoint: report its shape, not the workload's defaults
             w = _shape_of(path, w)
         rows = []

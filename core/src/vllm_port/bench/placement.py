@@ -150,7 +150,7 @@ def run(
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(model_dir or save_model or scratch)
         if not (path / "config.json").is_file():
-            build_model(path, w, 0, "cuda" if device_type == "cuda" else "cpu")
+            build_model(path, w, 0, device_type)
         capped = _cap_device(device_type, budget) if budget else "none"
         # room for every sequence of the largest batch in whole blocks (CUDA's hold 128 tokens), K and V of every
         # layer, at most 4 bytes an element and as many heads as the model has (at least its KV heads)
