@@ -7,19 +7,18 @@ small byte-level BPE ``tokenizer.json`` beside them, and one CPU runtime for the
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 
+import cpu_runtime_fixtures
 from llm_helpers import make_llm, prompts
 from tiny_models import TINY_CONFIGS, save_tiny_model
 
-import vllm_port
 from vllm_port import SamplingParams
 
 #: Special tokens first, so their ids are those of the tiny configs (bos 1, eos 2/3/4).
@@ -48,6 +47,11 @@ def save_tokenizer(model_dir: Path, vocab_size: int = 400) -> Path:
     return model_dir
 
 
+# the shared CPU fixtures, registered for this package (one_thread is autouse here only)
+cpu_runtime = cpu_runtime_fixtures.cpu_runtime
+one_thread = cpu_runtime_fixtures.one_thread
+
+
 @pytest.fixture(scope="session")
 def engine_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Family -> a tiny checkpoint directory with a tokenizer."""
@@ -57,21 +61,6 @@ def engine_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_model(engine_models: dict[str, Path]) -> Path:
     return engine_models["llama"]
-
-
-@pytest.fixture(scope="session")
-def cpu_runtime() -> vllm_port.Runtime:
-    """The CPU platform, discovered once (an ``LLM`` takes it as ``device``)."""
-    return vllm_port.load(plugins="cpu")
-
-
-@pytest.fixture(autouse=True, scope="package")
-def one_thread() -> Iterator[None]:
-    """Tiny shapes gain nothing from a second thread, only its synchronisation (ruinous on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
