@@ -7,7 +7,7 @@ greedy requests through ``LLM.generate``:
 - ``placed``: the model on the device platform (``--device``, the best available one) with the
   parts named by ``--place`` (``mlp``, ``lm_head`` or both) on the host, under a device budget
   (``--device-budget`` GiB): where torch's allocator for the device type can be capped
-  (``torch.cuda.set_per_process_memory_fraction``) the budget is enforced, so the whole model
+  (``set_per_process_memory_fraction`` of the device type's torch module) the budget is enforced, so the whole model
   could not load there; elsewhere it is reported beside the weights the device holds;
 - ``device``: the whole model on the device, only when its weights fit the budget.
 
