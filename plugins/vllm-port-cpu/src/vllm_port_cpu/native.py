@@ -210,7 +210,8 @@ def _covered(lib: ctypes.CDLL | None, query: torch.Tensor, *tensors: torch.Tenso
     return True
 
 
-def _cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor) -> list:
+def _cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, num_heads: int) -> list:
+    """The kernels' cache and block-table arguments, in their C order (``num_heads``: the query's)."""
     num_blocks, block_size, kv_heads, _ = key_cache.shape
     k_strides = (ctypes.c_int64 * 3)(*key_cache.stride()[:3])
     v_strides = (ctypes.c_int64 * 3)(*value_cache.stride()[:3])
@@ -223,7 +224,7 @@ def _cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables
         block_size,
         kv_heads,
         key_cache.shape[3],
-        None,  # num_heads, filled in by the caller
+        num_heads,
         block_tables.data_ptr(),
         block_tables.stride(0),
         block_tables.shape[1],
@@ -257,8 +258,7 @@ def paged_attention(
     out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype)
     if num_seqs == 0:
         return out
-    cache = _cache_args(key_cache, value_cache, block_tables)
-    cache[8] = num_heads
+    cache = _cache_args(key_cache, value_cache, block_tables, num_heads)
     code = lib.vp_paged_attention(  # type: ignore[union-attr]
         out.data_ptr(),
         query.data_ptr(),
@@ -302,8 +302,7 @@ def prefill_attention(
     num_seqs = seq_lens.shape[0]
     if tokens == 0 or num_seqs == 0:
         return out
-    cache = _cache_args(key_cache, value_cache, block_tables)
-    cache[8] = num_heads
+    cache = _cache_args(key_cache, value_cache, block_tables, num_heads)
     code = lib.vp_prefill_attention(  # type: ignore[union-attr]
         out.data_ptr(),
         query.data_ptr(),
