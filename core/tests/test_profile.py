@@ -11,8 +11,10 @@ import copy
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ import vllm_port
 from vllm_port.cli import main
 from vllm_port.data import bundled_model_dir
 from vllm_port.flat import PHASES, FlatModel
+from vllm_port.graph import GraphCapture, is_capturing
 from vllm_port.models import load_model
 from vllm_port.profile import (
     FORMAT,
@@ -142,6 +145,12 @@ def test_json_holds_nodes_step_time_groups_and_what_the_profile_explains(report)
     assert groups["comm"]["collectives"] == [] and "one device" in groups["comm"]["note"]
     text = render(report)
     assert "== decode step" in text and "cpu:cpu_linear" in text and "== comm: none: one device" in text
+    # the CPU platform captures no graphs: the step as the engine runs it is the eager one, and the report says so
+    for phase, why in [("decode", "has no graph capture"), ("prefill", "captures decode steps only")]:
+        p = loaded["phases"][phase]
+        assert p["captured_step_time_us"] is None and p["explained_captured"] is None and p["captured_with"] is None
+        assert why in p["captured_note"], phase
+    assert "captured: not timed (platform 'cpu' has no graph capture" in text
 
 
 def test_a_profile_compared_with_itself_has_no_regression_and_a_slower_provider_is_named(report):
@@ -249,6 +258,89 @@ def test_the_command_profiles_the_bundled_model_by_default(tmp_path: Path):
     assert compiled["phases"]["decode"]["step_time_us"] > 0 and "compiled decode step:" in done.stdout
     (tmp_path / "slower.json").write_text(json.dumps(_scaled(report, 10)))  # a slower baseline: exit 0
     assert main(["profile", *QUICK, "--phase", "decode", "--baseline", str(tmp_path / "slower.json")]) == 0
+
+
+class _PausedReplay(GraphCapture):
+    """A stand-in for a device graph: records the step once, and a replay returns its outputs after ``pause_s``."""
+
+    name = "test replay"
+
+    def __init__(self, pause_s: float = 0.0, fail: str = "") -> None:
+        self.pause_s, self.fail = pause_s, fail
+        self.recorded: list[bool] = []  # whether each recording ran inside capturing(), as the engine's does
+
+    def capture(self, step, warmup=2):
+        for _ in range(warmup):
+            step()
+        self.recorded.append(is_capturing())
+        if self.fail:
+            raise RuntimeError(self.fail)
+        outputs = step()
+
+        def replay():
+            time.sleep(self.pause_s)
+            return outputs
+
+        return replay
+
+
+def test_the_decode_step_is_captured_and_its_replay_timed_where_the_platform_captures(bundled, monkeypatch):
+    from vllm_port.profile import collect
+
+    runtime, model = bundled
+    capture = _PausedReplay(pause_s=0.003)
+    monkeypatch.setattr(collect, "_graph_capture", lambda runtime: (capture, ""))
+    quick = {"batch": 2, "context": 32, "repeats": 2, "min_run_time": 0.02}
+    report = profile_model(model, runtime, **quick)
+    decode, prefill = report["phases"]["decode"], report["phases"]["prefill"]
+    assert capture.recorded == [True]  # decode only, recorded once, inside capturing()
+    assert 3000 <= decode["captured_step_time_us"] < 3000 + 10 * decode["step_time_us"]
+    assert decode["captured_step_calls"] >= 10 and decode["captured_with"] == "test replay"
+    assert decode["captured_note"] == ""
+    assert decode["explained_captured"] == pytest.approx(decode["node_time_us"] / decode["captured_step_time_us"])
+    assert prefill["captured_step_time_us"] is None and "decode steps only" in prefill["captured_note"]
+    text = render(report)
+    assert "captured (as the engine runs it, test replay): " in text and "the nodes' host time is" in text
+
+    # a capture that fails leaves the profile standing, with the reason
+    failing = _PausedReplay(fail="operation not permitted when stream is capturing")
+    monkeypatch.setattr(collect, "_graph_capture", lambda runtime: (failing, ""))
+    report = profile_model(model, runtime, phases=("decode",), **quick)
+    decode = report["phases"]["decode"]
+    assert decode["captured_step_time_us"] is None and decode["explained_captured"] is None
+    assert "test replay failed (RuntimeError: operation not permitted" in decode["captured_note"]
+    assert decode["step_time_us"] > 0 and "captured: not timed (capturing or replaying the decode step" in render(
+        report
+    )
+
+
+def test_a_platform_that_claims_graph_capture_but_serves_none_is_reported_not_raised():
+    from vllm_port.errors import PluginError
+    from vllm_port.profile.collect import _graph_capture
+
+    def refuse():
+        raise PluginError("platform 'fake' says graph_capture=True but no plugin answered")
+
+    runtime = SimpleNamespace(platform=SimpleNamespace(name="fake", graph_capture=True), graph_capture=refuse)
+    capture, why = _graph_capture(runtime)
+    assert capture is None and "no plugin answered" in why
+
+
+def test_the_captured_step_is_compared_where_both_runs_captured_it(report):
+    base = copy.deepcopy(report)
+    base["phases"]["decode"].update(captured_step_time_us=1000.0, captured_step_spread_us=10.0)
+    slower = copy.deepcopy(base)
+    slower["phases"]["decode"]["captured_step_time_us"] = 1500.0
+    found = compare(slower, base)
+    assert [(f["what"], f["name"], f["baseline"], f["current"]) for f in found["regressions"]] == [
+        ("step", "captured step", 1000.0, 1500.0)
+    ]
+    old = copy.deepcopy(report)  # a baseline written before the captured step was measured: no such fields
+    for p in old["phases"].values():
+        for field in [k for k in p if k.startswith("captured") or k == "explained_captured"]:
+            del p[field]
+    assert compare(slower, old)["ok"] and compare(old, slower)["ok"]
+    assert "captured" not in render(old).split("== graph")[0]
 
 
 def test_collectives_are_recognised_by_their_library_names():

@@ -13,6 +13,12 @@ through CUPTI/roctracer, XPU), its host time otherwise (CPU). On a device each r
 synchronisation and device work is given to the range it ran in by time stamp
 (:mod:`vllm_port.profile.timeline`: the profiler's own links miss Triton's launches). The step's wall time comes from ``torch.utils.benchmark`` on the plain
 step, unprofiled; the sum of node times over it is how much of the step the profile explains.
+
+Run node by node, a step on a GPU waits mostly on the host's dispatch between nodes, which the
+engine does not pay: it replays decode steps captured as device graphs. Where the platform
+captures graphs, the plain decode step is also captured the engine's way (the platform's
+:class:`~vllm_port.graph.GraphCapture`, inside :func:`~vllm_port.graph.capturing`) and its replay
+timed by the same clock, so the node times are held against the step the engine runs as well.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import torch.fx as fx
 from torch.profiler import ProfilerActivity, record_function
 
 from ..bench._timing import load_average
+from ..errors import VllmPortError
 from ..flat import FlatGraph, FlatModel, graph_inputs
 from ..flat.trace import StepInputs
+from ..graph import GraphCapture, capturing
 from ..memory import KVCache, KVLayout
 from .schema import FORMAT, PHASES, SCHEMA_VERSION, STACK_LAYERS, ProfileError
 from .timeline import Attribution, attribute_device_work
@@ -224,6 +232,63 @@ def _wall_time(run: Callable[[], Any], min_run_time: float) -> tuple[float, floa
     return statistics.median(times), _spread(times), calls
 
 
+#: The phase the engine captures (prefill's token count changes with every batch: it runs eagerly).
+CAPTURED_PHASE = "decode"
+
+
+def _graph_capture(runtime: Any) -> tuple[GraphCapture | None, str]:
+    """The platform's graph capture as the engine's runner gets it, or ``None`` and why there is none."""
+    if not runtime.platform.graph_capture:
+        return None, (
+            f"platform {runtime.platform.name!r} has no graph capture (graph_capture=False): the engine runs "
+            "every step eagerly there"
+        )
+    try:
+        return runtime.graph_capture(), ""
+    except VllmPortError as exc:
+        return None, f"no graph capture: {exc}"
+
+
+def _captured_step_time(step: _Step, capture: GraphCapture | None, why_not: str, min_run_time: float) -> dict[str, Any]:
+    """The plain step captured as the engine captures decode steps, and its replay's wall time (``None``: why not).
+
+    Never raises for a capture that fails: the profile stands without this number, and the note says why.
+    """
+    found: dict[str, Any] = {
+        "captured_step_time_us": None,
+        "captured_step_spread_us": None,
+        "captured_step_calls": 0,
+        "captured_with": None,
+        "captured_note": why_not,
+    }
+    if step.phase != CAPTURED_PHASE:
+        found["captured_note"] = f"the engine captures {CAPTURED_PHASE} steps only; a {step.phase} step runs eagerly"
+        return found
+    if capture is None:
+        return found
+    name = getattr(capture, "name", type(capture).__name__)
+    try:
+        # as the runner's DecodeGraphs does: inference mode, and host-reading checks stand aside while recording
+        with torch.inference_mode(), capturing():
+            replay = capture.capture(step.run, warmup=2)
+        with torch.inference_mode():
+            us, spread, calls = _wall_time(replay, min_run_time)  # its clock synchronises, as the step's does
+    except Exception as exc:  # any failure of a vendor's capture: reported, and the profile goes on
+        found["captured_note"] = (
+            f"capturing or replaying the {step.phase} step with {name} failed ({type(exc).__name__}: {exc}); the engine "
+            "captures its decode steps the same way (LLM(..., enforce_eager=True) runs them without capture)"
+        )
+        return found
+    found.update(
+        captured_step_time_us=us,
+        captured_step_spread_us=spread,
+        captured_step_calls=calls,
+        captured_with=name,
+        captured_note="",
+    )
+    return found
+
+
 def _profiled(
     step: _Step, repeats: int, activity: ProfilerActivity | None, device: torch.device
 ) -> tuple[dict[str, list[float]], Attribution, list[float], list[float], list[dict[str, Any]]]:
@@ -300,7 +365,12 @@ def _share(entry: dict[str, Any], step_us: float) -> dict[str, Any]:
 
 
 def _phase_report(
-    step: _Step, repeats: int, activity: ProfilerActivity | None, device: torch.device, min_run_time: float
+    step: _Step,
+    repeats: int,
+    activity: ProfilerActivity | None,
+    device: torch.device,
+    min_run_time: float,
+    capture: tuple[GraphCapture | None, str],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     run_ranged = step.run_ranged
     for _ in range(2):  # warm both paths: first calls allocate and pick kernels
@@ -310,6 +380,8 @@ def _phase_report(
     step_us, step_spread, calls = _wall_time(step.run, min_run_time)
     peak = _step_peak_bytes(step.run, device)
     host, attribution, profiled_steps, gaps, comm = _profiled(step, repeats, activity, device)
+    # after the profiler's session: none of its work is recorded into the graph or timed with the replays
+    captured = _captured_step_time(step, *capture, min_run_time)
     dev = attribution.per_label
     use_device = activity is not None and any(v > 0 for times in dev.values() for v in times)
     nodes = []
@@ -342,6 +414,8 @@ def _phase_report(
             "the profiled steps (the nodes and the median time between them in a step; "
             "the profiler's host work inflates both)",
         )
+    # the node times held against the step as the engine runs it too (replayed from a device graph)
+    captured_us = captured["captured_step_time_us"]
     stacks = _group(nodes, lambda n: n["stack_layer"])
     for name in STACK_LAYERS:
         stacks.setdefault(name, {"time_us": 0.0, "spread_us": 0.0, "nodes": 0})
@@ -361,6 +435,8 @@ def _phase_report(
         "explained": node_us / whole_us if whole_us > 0 else 0.0,
         "explained_against": against,
         "unattributed_us": unattributed,
+        **captured,
+        "explained_captured": node_us / captured_us if captured_us else None,
         "timer": "device" if use_device else "host",
         # device time inside some node's range: far below 1 means the host and device clocks disagree
         "device_work_in_nodes": attribution.inside_share if use_device else None,
@@ -641,6 +717,7 @@ def profile_model(
         tables = torch.tensor(blocks, dtype=torch.int32)
         caches = list(zip(kv.key_caches, kv.value_caches, strict=True))
         activity = _device_activity(device)
+        capture = _graph_capture(runtime) if CAPTURED_PHASE in phases else (None, "")
         steps = {
             phase: _make_step(flat, phase, caches, _batch(phase, tables, context, block_size, c.vocab_size, device))
             for phase in phases
@@ -649,7 +726,7 @@ def profile_model(
         collectives: list[dict[str, Any]] = []
         with torch.no_grad():
             for phase, step in steps.items():
-                reports[phase], found = _phase_report(step, repeats, activity, device, min_run_time)
+                reports[phase], found = _phase_report(step, repeats, activity, device, min_run_time, capture)
                 collectives += [{"phase": phase, **f} for f in found]
             compiled = _compile(model, runtime, dtype, block_size, steps, caches, min_run_time) if compile else None
         memory = _memory(runtime, model, kv, reports)

@@ -2,12 +2,14 @@
 
 Two profiles are comparable only when they profiled the same model shape, dtype, batch shape and
 platform with the same timer (:func:`check_comparable` says which field differs otherwise). A time
-(a phase's step, a stack layer, an op over all its nodes, one provider of an op, a collective) has
-regressed when it grew by more than all of:
+(a phase's step; the same step replayed from a captured device graph, where both runs captured it;
+a stack layer, an op over all its nodes, one provider of an op, a collective) has regressed when it
+grew by more than all of:
 
 - ``threshold_pct`` percent of the baseline's time;
 - the noise: twice the larger spread of the two runs (half the interquartile range over repeats);
-- the floor: ``min_share_pct`` percent of the baseline's step time (changes too small to matter).
+- the floor: ``min_share_pct`` percent of the baseline's step time, or of its captured step for
+  that one (changes too small to matter).
 
 Structure regresses too: a fusion that fired fewer times, more kernel nodes in a graph, and more
 bytes (weights, KV cache, a step's peak) beyond the threshold. A different provider bound for an op
@@ -123,6 +125,7 @@ def compare(
         step = {"time_us": cur["step_time_us"], "spread_us": cur["step_spread_us"]}
         base_step = {"time_us": base["step_time_us"], "spread_us": base["step_spread_us"]}
         findings += rule.time(phase, "all", "step", "step", base_step, step, floor)
+        findings += _captured_step(rule, phase, base, cur, min_share_pct)
         for layer in STACK_LAYERS:
             findings += rule.time(
                 phase,
@@ -151,6 +154,18 @@ def compare(
         "notes": notes,
         "ok": not regressions,
     }
+
+
+def _captured_step(
+    rule: _Rule, phase: str, base: Mapping[str, Any], cur: Mapping[str, Any], min_share_pct: float
+) -> list[dict[str, Any]]:
+    """The step replayed from a device graph, where both runs captured it (baselines from before it have no field)."""
+    was, now = base.get("captured_step_time_us"), cur.get("captured_step_time_us")
+    if not was or not now:
+        return []
+    before = {"time_us": was, "spread_us": base.get("captured_step_spread_us") or 0.0}
+    after = {"time_us": now, "spread_us": cur.get("captured_step_spread_us") or 0.0}
+    return rule.time(phase, "all", "step", "captured step", before, after, min_share_pct / 100 * was)
 
 
 _WHAT_ORDER = ("step", "stack layer", "op", "provider", "collective", "fusion", "nodes", "compile", "memory")

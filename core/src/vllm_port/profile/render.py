@@ -71,6 +71,7 @@ def _phase(phase: str, p: Mapping[str, Any], all_nodes: bool, top: int) -> list[
         f"+-{_us(p['step_spread_us'])})" + (f", {_us(profiled)} under the profiler" if profiled else ""),
         f"   the nodes explain {_pct(p['explained'])} of {p['explained_against']}: {_us(p['node_time_us'])} in nodes, "
         f"{_us(p['unattributed_us'])} between them",
+        *_captured(phase, p, p["timer"]),
     ]
     rows = [("stack layer", "time", "share", "what")]
     what = {
@@ -118,6 +119,20 @@ def _phase(phase: str, p: Mapping[str, Any], all_nodes: bool, top: int) -> list[
         rows.append((n["name"], n["op"], _who(n), layer, _us(n["time_us"]), _us(n["spread_us"])))
     lines += _table(rows, right=(4, 5))
     return lines
+
+
+def _captured(phase: str, p: Mapping[str, Any], timer: str) -> list[str]:
+    """The step as the engine runs it (replayed from a device graph), or why it was not timed (decode only)."""
+    captured = p.get("captured_step_time_us")  # absent from profiles written before it was measured
+    if captured:
+        return [
+            f"   captured (as the engine runs it, {p['captured_with']}): {_us(captured)} (median of "
+            f"{p['captured_step_calls']} replays, +-{_us(p['captured_step_spread_us'])}); the nodes' {timer} time "
+            f"is {_pct(p['explained_captured'])} of it"
+        ]
+    if p.get("captured_note") and phase == "decode":
+        return [f"   captured: not timed ({p['captured_note']})"]
+    return []
 
 
 def _graph(graph: Mapping[str, Any]) -> list[str]:
