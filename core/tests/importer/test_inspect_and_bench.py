@@ -35,10 +35,34 @@ def test_the_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     result = bench.run(bench.TINY_WORKLOAD, [1, 2], "cpu", "eager", save_model=str(tmp_path / "model"))
     rows = result["rows"]
     assert [(r["batch"], r["model"]) for r in rows] == [(1, "core"), (1, "imported"), (2, "core"), (2, "imported")]
-    assert all(r["decode_tok_s"] > 0 for r in rows)
-    assert all(r["same_tokens"] for r in rows if r["model"] == "imported")
+    assert all(r["decode_tok_s"] > 0 and len(r["decode_s_runs"]) == 2 for r in rows)  # the fastest of 2 runs
+    output_len = bench.TINY_WORKLOAD.output_len
+    for r in rows:  # every sequence compared (batches under COMPARED_SEQUENCES), whole token lists kept
+        assert len(r["tokens"]) == r["batch"] and all(len(t) == output_len for t in r["tokens"])
+    # float32 on CPU: the imported model's greedy tokens are the core model's, every one
+    imported = [r for r in rows if r["model"] == "imported"]
+    assert [r["agreeing_tokens"] for r in imported] == [[output_len], [output_len] * 2]
+    assert all(r["min_agreeing_tokens"] == output_len for r in imported)
     table = bench.render(result)
     assert table.count("\n| 1 |") == 2 and "| batch | model | decode tok/s |" in table
+    assert f"| {output_len} of {output_len} |" in table and "fastest of 2 timed runs" in table
+
+
+def test_the_benchmark_counts_the_leading_tokens_two_runs_agree_on():
+    assert bench.leading_agreement([5, 6, 7, 8], [5, 6, 9, 8]) == 2  # a later re-agreement does not count
+    assert bench.leading_agreement([1, 2], [1, 2]) == 2
+    assert bench.leading_agreement([3], [4]) == 0
+    assert bench.leading_agreement([], []) == 0
+
+
+def test_the_benchmark_warms_each_model_up_with_every_prompt_of_the_batch(tmp_path, monkeypatch):
+    calls = []
+    real = bench.warm_up
+    monkeypatch.setattr(
+        bench, "warm_up", lambda llm, prompts, **kw: calls.append((len(prompts), kw)) or real(llm, prompts, **kw)
+    )
+    bench.run(bench.TINY_WORKLOAD, [3], "cpu", "eager", save_model=str(tmp_path / "model"), repeats=1)
+    assert calls == [(3, {"num_prompts": 3, "max_tokens": bench.WARM_UP_TOKENS})] * 2  # core, then imported
 
 
 def test_the_benchmark_reports_an_existing_checkpoints_shape(tmp_path):

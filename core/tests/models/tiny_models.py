@@ -14,7 +14,9 @@ that both act, sliding window 8 on alternate layers).
 
 ``tiny_model_dirs`` maps each family to its directory. Weights are re-drawn at unit scale (the
 transformers initialisation is so small that every layer is nearly the identity, which would let a
-wrong rotary table or bias pass unseen); norm weights and biases are random too.
+wrong rotary table or bias pass unseen); norm weights and biases are random too. Each family's greedy
+output on random prompts holds many distinct tokens (the importer's tests assert it), so that a test
+comparing 64 greedy tokens compares a live model, not one stuck on a token.
 """
 
 from __future__ import annotations
@@ -140,8 +142,15 @@ def build_tiny_model(family: str, seed: int = 0, **overrides):
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * noise)
             elif name.endswith("bias"):
-                param.copy_(0.5 * noise)
-            else:  # a linear [out, in] (or the embedding, also a tied LM head): unit-scale outputs for unit inputs
+                # small: a value bias passes attention's average whole while the values' random part
+                # shrinks, so at 0.5 it outweighed every position's context and Qwen2's 64 greedy
+                # tokens held 1 to 8 distinct ones; at 0.1 it still moves logits far past any tolerance
+                param.copy_(0.1 * noise)
+            elif name.endswith("embed_tokens.weight") and config.tie_word_embeddings:
+                # half scale: the token read also scores itself through the tied LM head, and at unit
+                # scale that pulled greedy output into loops of a few tokens
+                param.copy_(0.5 * noise / math.sqrt(param.shape[1]))
+            else:  # a linear [out, in] (or an untied embedding): unit-scale outputs for unit inputs
                 param.copy_(noise / math.sqrt(param.shape[1]))
     return model
 
