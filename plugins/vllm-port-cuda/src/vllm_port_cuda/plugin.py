@@ -2,7 +2,7 @@
 
 The hooks every platform plugin answers alike come from :func:`vllm_port.plugin_kit.platform_hooks`
 (API range, describe, probe, context check, providers, allocator, graph capture); the compilation
-hooks below are CUDA's own.
+hooks below and the migrator are CUDA's own.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from vllm_port.plugin_kit import platform_hooks
 
 from . import ops, platform
 from .graph import CudaGraphCapture
-from .memory import CudaAllocator
+from .memory import CudaAllocator, cuda_migrator
 
 if TYPE_CHECKING:
     from vllm_port.flat.passes import GraphPass
+    from vllm_port.memory import Migrator
 
 globals().update(
     platform_hooks(
@@ -39,3 +40,8 @@ def vllm_port_graph_passes(platform: PlatformDescription) -> list[GraphPass] | N
     from .fusions import graph_passes  # imports triton: only when flat graphs are built
 
     return graph_passes()
+
+
+@hookimpl
+def vllm_port_migrator(platform: PlatformDescription) -> Migrator | None:
+    return cuda_migrator() if platform.name == "cuda" else None
