@@ -117,6 +117,27 @@ def test_split_k_decode_merges_partials_exactly(dtype, splits):
         assert paged_attention.check(split_fn, args, dtype) is None, (window, cap)
 
 
+def test_merge_of_more_splits_than_one_chunk():
+    """Past ``_MERGE_CHUNK`` splits the merge sums partials chunk by chunk (a ragged last chunk, empty splits)."""
+    from vllm_port.kernels.triton.attention import _MERGE_CHUNK
+
+    args = _decode_case(torch.float32, [5, 300, 700], 4, 2, block_size=16, seed=3)
+    fn = lambda *a: kernels()._decode(*a, num_splits=_MERGE_CHUNK + 9)  # noqa: E731
+    assert paged_attention.check(fn, args, torch.float32) is None
+
+
+def test_a_sliding_window_caps_the_splits(monkeypatch):
+    """Splits share the keys a query can see: with a window, the window's tiles, not the whole table's."""
+    import vllm_port.kernels.triton.attention as attention
+
+    seen = []
+    real = attention._decode_splits
+    monkeypatch.setattr(attention, "_decode_splits", lambda n, tiles, *a: seen.append(tiles) or real(n, tiles, *a))
+    args = _decode_case(torch.float32, [400], 4, 2, window=40, seed=4)
+    assert paged_attention.check(kernels().paged_attention, args, torch.float32) is None
+    assert seen == [triton.cdiv(40, INTERPRETER.attn_block_n) + 1]
+
+
 def test_empty_sequence_gives_zeros_like_the_reference():
     k = kernels()
     args = _decode_case(torch.float32, [0, 17], 4, 2)

@@ -47,6 +47,8 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in base 2
 # The target's ``decode_programs_per_sm`` says how many programs per SM to aim at (a batch already
 # giving half as many is not split) and ``decode_min_tiles_per_split`` how short a split may get.
 _MAX_SPLITS = 256
+# The merge sums this many splits' partial outputs per step: 32 x 128 float32 over 4 warps (32 registers a thread).
+_MERGE_CHUNK = 32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,7 +135,6 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     TMA: tl.constexpr,  # load K/V tiles with the tensor memory accelerator (needs PAGE_TILE)
-    EARLY_V: tl.constexpr,  # issue the V load with the K load (decode: two loads in flight, not one)
 ):
     """One step of the online softmax over keys ``start .. start+BLOCK_N-1``: decode (the query
     heads of one KV head, all at the last position) and prefill (a block of query rows) share it."""
@@ -154,8 +155,6 @@ def _attend_tile(
         k_ptrs = k_cache_ptr + (block * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :]
         v_ptrs = v_cache_ptr + (block * stride_vb + row * stride_vs + v_head)[:, None] + offs_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        if EARLY_V:
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     if USE_SOFT_CAP or MASKED:
         s = qk * qk_scale
@@ -180,7 +179,7 @@ def _attend_tile(
         p = tl.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if not TMA and not EARLY_V:  # loaded after the scores: fewer registers held across the softmax
+    if not TMA:  # loaded after the scores: fewer registers held across the softmax
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
     if DOT_FP32:
@@ -234,9 +233,11 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32), None for 16-bit inputs
     DOT_FP32: tl.constexpr,  # feed tl.dot float32 operands (CPU interpreter only, see _dot_fp32)
-    EARLY_V: tl.constexpr,  # the target's decode_early_v
     TMA: tl.constexpr,  # K/V tiles through the tensor memory accelerator (every tile inside one cache block)
+    PDL: tl.constexpr,  # the merge kernel is a programmatic dependent launch: let it start on the last wave
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the merge waits for this grid's writes (gdc_wait) anyway
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -282,7 +283,7 @@ def _paged_decode_kernel(
             acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
             s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
             k_desc, v_desc, kv_head * HEAD_SIZE, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION,
-            DOT_FP32, TMA, EARLY_V,
+            DOT_FP32, TMA,
         )  # fmt: skip
 
     if not SPLIT:
@@ -310,26 +311,35 @@ def _merge_splits_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+    CHUNK: tl.constexpr,  # splits whose partial outputs are summed per step (bounds the registers held)
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel: wait for its writes
 ):
     """One program per (sequence, query head): rescale each split's partial to a common max and normalise."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the split kernel has finished and its partials are visible
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
-    split_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_SIZE
     base = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
 
-    m_part = tl.load(part_m_ptr + base + offs_s, mask=split_ok, other=float("-inf"))
-    l_part = tl.load(part_l_ptr + base + offs_s, mask=split_ok, other=0.0)
+    m_part = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m_max = tl.max(m_part, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (empty sequence)
-    w = tl.exp2(m_part - m_max)  # empty splits (m = -inf) weigh 0
-    denom = tl.sum(l_part * w, 0)
-    a_ptrs = part_acc_ptr + ((base + offs_s) * HEAD_SIZE)[:, None] + offs_d[None, :]
-    acc = tl.load(a_ptrs, mask=split_ok[:, None] & (offs_d[None, :] < HEAD_SIZE), other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    denom = tl.zeros([CHUNK], tl.float32)
+    acc = tl.zeros([CHUNK, HEAD_PAD], tl.float32)
+    for first in range(0, num_splits, CHUNK):
+        offs_c = first + tl.arange(0, CHUNK)
+        c_ok = offs_c < num_splits
+        w = tl.exp2(tl.load(part_m_ptr + base + offs_c, mask=c_ok, other=float("-inf")) - m_max)  # empty: 0
+        denom += tl.load(part_l_ptr + base + offs_c, mask=c_ok, other=0.0) * w
+        a_ptrs = part_acc_ptr + ((base + offs_c) * HEAD_SIZE)[:, None] + offs_d[None, :]
+        acc += tl.load(a_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0) * w[:, None]
+    total = tl.sum(denom, 0)
+    out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,7 +383,6 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,  # the unmasked loop with producer/consumer warps (target's choice)
     TMA: tl.constexpr,  # K/V tiles through the tensor memory accelerator (every tile inside one cache block)
 ):
     # Causal blocks late in a sequence do the most work: launch them first so the short ones fill the tail.
@@ -433,21 +442,21 @@ def _prefill_kernel(
                 acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                 k_desc, v_desc, kv_col, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
-                TMA, False,
+                TMA,
             )  # fmt: skip
-        for tile in tl.range(u_begin, u_end, warp_specialize=WARP_SPECIALIZE):  # seen by every row: no mask
+        for tile in range(u_begin, u_end):  # seen by every row: no mask
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                 k_desc, v_desc, kv_col, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, False, DOT_PRECISION, DOT_FP32,
-                TMA, False,
+                TMA,
             )  # fmt: skip
         for tile in range(u_end, t_end):  # the diagonal
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, tile * BLOCK_N, offs_n, offs_d, d_ok, seq_len, lo, sliding_window, qk_scale,
                 s_scale, table, k_cache_ptr, v_cache_ptr, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                 k_desc, v_desc, kv_col, BLOCK_SIZE, PAGE_TILE, USE_SOFT_CAP, USE_WINDOW, True, DOT_PRECISION, DOT_FP32,
-                TMA, False,
+                TMA,
             )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -500,7 +509,8 @@ def _kv_descriptors(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n:
     boxes, or None where the layout does not allow them (then the kernel gathers rows with pointer loads).
 
     A box must lie inside one cache block (``block_size % block_n == 0``), a KV head's features must be contiguous
-    and follow each other in a row, the head a power of two, and every stride and the base 16-byte aligned.
+    and follow each other in a row, the head a power of two of at least 16 bytes, and every stride and the base
+    16-byte aligned.
     """
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -513,6 +523,7 @@ def _kv_descriptors(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n:
         size = cache.element_size()
         if (
             block_size % block_n
+            or (head * size) % 16  # a box row is at least 16 bytes
             or sd != 1
             or sh != head
             or head & (head - 1)
@@ -584,6 +595,8 @@ class AttentionKernels:
         _, block_n, stages = _tiles(self.target, head_pad, key_cache.element_size(), decode=True)
         if num_splits is None:
             max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)  # of the longest sequence possible
+            if sliding_window > 0:  # a query sees at most the window (plus the tile it starts in)
+                max_tiles = min(max_tiles, triton.cdiv(sliding_window, block_n) + 1)
             num_splits = _decode_splits(
                 num_seqs * num_kv_heads,
                 max_tiles,
@@ -592,6 +605,8 @@ class AttentionKernels:
                 self.target.decode_min_tiles_per_split,
             )
         descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.decode_tma else None
+        # programmatic dependent launch of the merge (sm_90+, which is where a target asks for it)
+        pdl = num_splits > 1 and self.target.decode_pdl and query.device.type == "cuda"
         if num_splits > 1:
             part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, device=query.device, dtype=torch.float32)
             part_m = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
@@ -618,18 +633,22 @@ class AttentionKernels:
             USE_WINDOW=sliding_window > 0,
             DOT_PRECISION=_dot_precision(query.dtype),
             DOT_FP32=_dot_fp32(query),
-            EARLY_V=self.target.decode_early_v,
             TMA=descriptors is not None,
+            PDL=pdl,
             num_warps=self.target.decode_warps,
             num_stages=stages,
         )  # fmt: skip
         if num_splits > 1:
+            splits_pad = triton.next_power_of_2(num_splits)
             _merge_splits_kernel[(num_seqs, num_heads)](
                 out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_splits,
                 HEAD_SIZE=head_size,
                 HEAD_PAD=head_pad,
-                SPLITS_PAD=triton.next_power_of_2(num_splits),
+                SPLITS_PAD=splits_pad,
+                CHUNK=min(splits_pad, _MERGE_CHUNK),
+                PDL=pdl,
                 num_warps=4,
+                **({"launch_pdl": True} if pdl else {}),
             )  # fmt: skip
         return out
 
@@ -685,7 +704,6 @@ class AttentionKernels:
             USE_WINDOW=sliding_window > 0,
             DOT_PRECISION=_dot_precision(query.dtype),
             DOT_FP32=_dot_fp32(query),
-            WARP_SPECIALIZE=self.target.prefill_warp_specialize,
             TMA=descriptors is not None,
             num_warps=self.target.attn_warps,
             num_stages=stages,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CUDA", "INTERPRETER", "ROCM", "XPU", "LinearTiles", "TritonTarget"]
+__all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT", "INTERPRETER", "ROCM", "XPU", "LinearTiles", "TritonTarget"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,12 @@ class TritonTarget:
         decode_programs_per_sm: decode splits each sequence's keys (flash-decoding) until about this
             many programs per multiprocessor run; more keep more loads in flight at small batch.
         decode_min_tiles_per_split: the fewest key tiles a split streams (its partial is merged after).
-        decode_early_v: decode issues each tile's V load together with its K load.
         decode_tma: decode loads K/V tiles with TMA descriptors where every key tile lies inside one
-            cache block (as ``prefill_tma``).
+            cache block (as ``prefill_tma``). Needs the tensor memory accelerator (sm_90+).
+        decode_pdl: launch the kernel that merges decode's splits as a programmatic dependent launch, so
+            it is scheduled while the split kernel's last wave runs (sm_90+).
         prefill_tma: prefill loads K/V tiles with TMA descriptors where every key tile lies inside one
-            cache block (block size a multiple of ``attn_block_n``); otherwise it gathers rows.
-        prefill_warp_specialize: run prefill's unmasked key loop with Triton's warp specialisation
-            (producer warps load K/V while consumer warps compute), where the compiler offers it.
+            cache block (block size a multiple of ``attn_block_n``); otherwise it gathers rows. Needs sm_90+.
         linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
             kernel serves; more go to the vendor BLAS (``F.linear``). 0 declines ``linear`` at bind time.
         linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
@@ -79,26 +78,27 @@ class TritonTarget:
     decode_stages: int = 0
     decode_programs_per_sm: int = 4
     decode_min_tiles_per_split: int = 4
-    decode_early_v: bool = False
     decode_tma: bool = False
+    decode_pdl: bool = False
     prefill_tma: bool = False
-    prefill_warp_specialize: bool = False
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
 
 
-#: NVIDIA (Ampere, Hopper): large tiles, deep pipelines for cp.async / TMA; element-wise blocks of
-#: 2048 measured best on an H200 (dev/tune_elementwise.py). ``linear`` (the defaults above, chosen
-#: from first principles until dev/tune_linear.py measures them): 256 bfloat16 of a weight row per step
-#: (a 16-byte vector per thread), 32 weight rows per program, 3 weight tiles of 16 KiB in flight, and
-#: the reduction split only where fewer than 4 programs per multiprocessor would run.
+#: NVIDIA Hopper and newer data-centre parts (sm_90, sm_100: 227 KiB of shared memory a block, TMA, programmatic
+#: dependent launch); the CUDA plugin picks it by compute capability (``vllm_port_cuda.ops.target_for``).
+#: Element-wise blocks of 2048 measured best on an H200 (dev/tune_elementwise.py). ``linear`` (the defaults
+#: above, chosen from first principles until dev/tune_linear.py measures them): 256 bfloat16 of a weight row
+#: per step (a 16-byte vector per thread), 32 weight rows per program, 3 weight tiles of 16 KiB in flight,
+#: and the reduction split only where fewer than 4 programs per multiprocessor would run.
 #: Until that measurement, ``linear`` stays with cuBLAS on CUDA too (``linear_max_rows=0``): a kernel
 #: binds by default only where it has been measured faster than the library it replaces.
 #: Attention (dev/tune_attention.py on an H200, docs/results/attention-h200.md): prefill takes 128 x 128
-#: tiles over 8 warps, with TMA where a key tile lies inside one cache block (the platform's 128-token
-#: blocks: 464 TFLOP/s against 340 for gathered 16-token blocks); decode streams 64-key tiles over 4 warps,
-#: 2 stages deep, and splits each sequence's keys until about 8 programs per SM run.
+#: tiles over 8 warps, 3 stages (Q 32 KiB + 3 x 64 KiB of K/V for bf16 x 128: 224 KiB), with TMA where a key
+#: tile lies inside one cache block (the platform's 128-token blocks: 463 TFLOP/s against 340 for gathered
+#: 16-token blocks); decode streams 64-key tiles over 4 warps, 2 stages deep, splits each sequence's keys until
+#: about 8 programs per SM run, and launches the merge of the splits as a programmatic dependent.
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -112,7 +112,24 @@ CUDA = TritonTarget(
     decode_programs_per_sm=8,
     decode_min_tiles_per_split=4,
     decode_tma=True,
+    decode_pdl=True,
     prefill_tma=True,
+    linear_max_rows=0,
+)
+#: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
+#: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:
+#: Q 32 KiB + 3 x 32 KiB of K/V for bf16 x 128), gathering K/V rows with cp.async.
+CUDA_AMPERE = TritonTarget("cuda-ampere", elementwise_block=2048, linear_max_rows=0)
+#: NVIDIA parts with at most 99 KiB of shared memory a block (sm_86, sm_89, sm_120: consumer Ampere, Ada,
+#: consumer Blackwell): 64 x 64 prefill tiles over 4 warps, 2 stages (16 + 2 x 32 KiB for bf16 x 128). The CUDA
+#: plugin drops to one stage where even that does not fit (Turing's 64 KiB).
+CUDA_COMPACT = TritonTarget(
+    "cuda-compact",
+    elementwise_block=2048,
+    attn_block_m=64,
+    attn_block_n=64,
+    attn_warps=4,
+    attn_stages=2,
     linear_max_rows=0,
 )
 #: AMD CDNA (MI200/MI300): 64-wide wavefronts, shallow pipelines (LDS is smaller than Hopper's shared memory).

@@ -1,0 +1,67 @@
+"""The CUDA plugin picks the Triton target whose attention tiles fit the GPUs present.
+
+The Hopper target's 128 x 128 tiles three stages deep take 224 KiB of shared memory: they must never be
+launched on an A100 (163 KiB) or an L40S (99 KiB). The budget is computed from the kernels' own tile
+choice (``_tiles``), so a retuned target that outgrows its parts fails here, not on a user's GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from vllm_port.kernels.triton import CUDA, CUDA_AMPERE, CUDA_COMPACT  # noqa: E402
+from vllm_port.kernels.triton.attention import _tiles  # noqa: E402
+from vllm_port_cuda import ops  # noqa: E402
+
+HEAD, BF16 = 128, 2
+
+
+def _shared_kib(target, decode: bool) -> float:
+    """Shared memory of one attention program (bf16, head 128): the query tile and ``stages`` K and V tiles."""
+    block_m, block_n, stages = _tiles(target, HEAD, BF16, decode=decode)
+    rows = 16 if decode else block_m  # decode's query tile is the group of heads, padded to 16
+    return (rows * HEAD * BF16 + stages * 2 * block_n * HEAD * BF16) / 1024
+
+
+@pytest.mark.parametrize(
+    ("gpus", "expected"),
+    [
+        ([(9, 0)], CUDA),  # H100, H200
+        ([(10, 0)], CUDA),  # B200
+        ([(8, 0)], CUDA_AMPERE),  # A100
+        ([(8, 9)], CUDA_COMPACT),  # L40S
+        ([(12, 0)], CUDA_COMPACT),  # RTX 5090: Blackwell, but a consumer part's shared memory
+        ([(9, 0), (8, 0)], CUDA_AMPERE),  # mixed: what fits every device
+        ([], CUDA),  # no GPU seen (the interpreter)
+    ],
+)
+def test_target_by_compute_capability(gpus, expected) -> None:
+    assert ops.target_for(gpus) == expected
+
+
+def test_turing_gets_a_single_stage() -> None:
+    target = ops.target_for([(7, 5)])
+    assert (target.attn_block_m, target.attn_stages) == (64, 1)
+
+
+def test_an_unlisted_part_assumes_the_least_memory_of_its_generation() -> None:
+    assert ops.shared_memory_kib((8, 8)) == 99
+    assert ops.shared_memory_kib((13, 0)) == 64
+    assert ops.target_for([(13, 0)]).attn_stages == 1
+
+
+@pytest.mark.parametrize("capability", sorted(ops.SHARED_MEMORY_KIB))
+def test_the_chosen_tiles_fit_the_part(capability) -> None:
+    target = ops.target_for([capability])
+    budget = ops.shared_memory_kib(capability)
+    for decode in (False, True):
+        assert _shared_kib(target, decode) <= budget, (capability, target.name, decode)
+    assert (target.prefill_tma or target.decode_tma or target.decode_pdl) <= (capability >= (9, 0))
+
+
+def test_providers_use_the_target_of_the_visible_gpus(monkeypatch) -> None:
+    monkeypatch.setattr(ops, "visible_capabilities", lambda: [(8, 0)])
+    attention = next(p for p in ops.providers() if p.op == "prefill_attention")
+    assert attention.fn.__self__.target == CUDA_AMPERE
