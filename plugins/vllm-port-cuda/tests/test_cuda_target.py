@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from vllm_port.kernels.triton import CUDA, CUDA_AMPERE, CUDA_COMPACT  # noqa: E402
-from vllm_port.kernels.triton.attention import _tiles  # noqa: E402
-from vllm_port_cuda import ops  # noqa: E402
+from vllm_port.kernels.triton import CUDA, CUDA_AMPERE, CUDA_COMPACT
+from vllm_port.kernels.triton.attention import _tiles
+from vllm_port_cuda import ops
 
 HEAD, BF16 = 128, 2
 
