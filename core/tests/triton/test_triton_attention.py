@@ -134,8 +134,9 @@ def test_a_sliding_window_caps_the_splits(monkeypatch):
     real = attention._decode_splits
     monkeypatch.setattr(attention, "_decode_splits", lambda n, tiles, *a: seen.append(tiles) or real(n, tiles, *a))
     args = _decode_case(torch.float32, [400], 4, 2, window=40, seed=4)
-    assert paged_attention.check(kernels().paged_attention, args, torch.float32) is None
-    assert seen == [triton.cdiv(40, INTERPRETER.attn_block_n) + 1]
+    k = kernels()
+    assert paged_attention.check(k.paged_attention, args, torch.float32) is None
+    assert seen == [triton.cdiv(40, k.target.decode_block_n or k.target.attn_block_n) + 1]
 
 
 def test_empty_sequence_gives_zeros_like_the_reference():
