@@ -20,7 +20,7 @@ runs in its own process (a kernel that faults loses its case, not the run); the 
 are judged in the last columns.
 
 The sweep searches the knobs a group at a time (tiles x warps x stages, TMA on larger blocks for prefill;
-tiles x PDL, then programs per SM for decode's key split), and the ``TritonTarget`` fields to set are printed.
+tiles, then programs per SM for decode's key split), and the ``TritonTarget`` fields to set are printed.
 On CPU (``--smoke``) both modes run tiny shapes in Triton's interpreter, to test the script itself.
 """
 
@@ -219,7 +219,7 @@ def sweep_decode(quick: bool, device: str, best_prefill: TritonTarget, rows: lis
     cases = [(seqs, ctx, *decode(seqs, ctx, device)) for seqs, ctx in shapes]
 
     def label(t: TritonTarget) -> str:
-        return (f"n{t.decode_block_n} w{t.decode_warps} s{t.decode_stages} pdl{int(t.decode_pdl)} "
+        return (f"n{t.decode_block_n} w{t.decode_warps} s{t.decode_stages} "
                 f"per_sm{t.decode_programs_per_sm} min{t.decode_min_tiles_per_split}")  # fmt: skip
 
     def score(t: TritonTarget, name: str) -> float:
@@ -244,11 +244,10 @@ def sweep_decode(quick: bool, device: str, best_prefill: TritonTarget, rows: lis
     best_score = score(best, "as shipped " + label(best))
     start = dataclasses.replace(best_prefill, decode_programs_per_sm=16, decode_min_tiles_per_split=2)
     for bn, w, st in DECODE_TILES:
-        for pdl in (False, True):
-            t = dataclasses.replace(start, decode_block_n=bn, decode_warps=w, decode_stages=st, decode_pdl=pdl)
-            sc = score(t, label(t))
-            if sc < best_score:
-                best, best_score = t, sc
+        t = dataclasses.replace(start, decode_block_n=bn, decode_warps=w, decode_stages=st)
+        sc = score(t, label(t))
+        if sc < best_score:
+            best, best_score = t, sc
     for per_sm in PROGRAMS_PER_SM:
         for min_tiles in MIN_TILES_PER_SPLIT:
             t = dataclasses.replace(best, decode_programs_per_sm=per_sm, decode_min_tiles_per_split=min_tiles)

@@ -58,7 +58,7 @@ def test_the_chosen_tiles_fit_the_part(capability) -> None:
     budget = ops.shared_memory_kib(capability)
     for decode in (False, True):
         assert _shared_kib(target, decode) <= budget, (capability, target.name, decode)
-    assert (target.prefill_tma or target.decode_tma or target.decode_pdl) <= (capability >= (9, 0))
+    assert (target.prefill_tma or target.decode_tma) <= (capability >= (9, 0))
 
 
 def test_providers_use_the_target_of_the_visible_gpus(monkeypatch) -> None:

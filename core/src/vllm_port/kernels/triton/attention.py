@@ -234,10 +234,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32), None for 16-bit inputs
     DOT_FP32: tl.constexpr,  # feed tl.dot float32 operands (CPU interpreter only, see _dot_fp32)
     TMA: tl.constexpr,  # K/V tiles through the tensor memory accelerator (every tile inside one cache block)
-    PDL: tl.constexpr,  # the merge kernel is a programmatic dependent launch: let it start on the last wave
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the merge waits for this grid's writes (gdc_wait) anyway
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -312,11 +309,8 @@ def _merge_splits_kernel(
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
     CHUNK: tl.constexpr,  # splits whose partial outputs are summed per step (bounds the registers held)
-    PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel: wait for its writes
 ):
     """One program per (sequence, query head): rescale each split's partial to a common max and normalise."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the split kernel has finished and its partials are visible
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -605,8 +599,6 @@ class AttentionKernels:
                 self.target.decode_min_tiles_per_split,
             )
         descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.decode_tma else None
-        # programmatic dependent launch of the merge (sm_90+, which is where a target asks for it)
-        pdl = num_splits > 1 and self.target.decode_pdl and query.device.type == "cuda"
         if num_splits > 1:
             part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, device=query.device, dtype=torch.float32)
             part_m = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
@@ -634,7 +626,6 @@ class AttentionKernels:
             DOT_PRECISION=_dot_precision(query.dtype),
             DOT_FP32=_dot_fp32(query),
             TMA=descriptors is not None,
-            PDL=pdl,
             num_warps=self.target.decode_warps,
             num_stages=stages,
         )  # fmt: skip
@@ -646,9 +637,7 @@ class AttentionKernels:
                 HEAD_PAD=head_pad,
                 SPLITS_PAD=splits_pad,
                 CHUNK=min(splits_pad, _MERGE_CHUNK),
-                PDL=pdl,
                 num_warps=4,
-                **({"launch_pdl": True} if pdl else {}),
             )  # fmt: skip
         return out
 

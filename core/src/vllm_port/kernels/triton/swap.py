@@ -266,7 +266,7 @@ def _check_reachable(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) 
             "device (and host memory it can map); move the operands onto one device"
         )
     for name, t in (("src", src), ("dst", dst), ("pairs", pairs)):
-        if t.device.type == "cpu" and not t.is_pinned():
+        if t.device.type == "cpu" and t.numel() and not t.is_pinned():  # an empty tensor has no memory to pin
             raise MemoryContractError(
                 f"swap_blocks: {name} is pageable host memory, which the device cannot reach; allocate it pinned "
                 "(torch's pin_memory=True, or the platform's pinned_host tier)"

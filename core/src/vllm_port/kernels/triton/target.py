@@ -54,8 +54,6 @@ class TritonTarget:
         decode_min_tiles_per_split: the fewest key tiles a split streams (its partial is merged after).
         decode_tma: decode loads K/V tiles with TMA descriptors where every key tile lies inside one
             cache block (as ``prefill_tma``). Needs the tensor memory accelerator (sm_90+).
-        decode_pdl: launch the kernel that merges decode's splits as a programmatic dependent launch, so
-            it is scheduled while the split kernel's last wave runs (sm_90+).
         prefill_tma: prefill loads K/V tiles with TMA descriptors where every key tile lies inside one
             cache block (block size a multiple of ``attn_block_n``); otherwise it gathers rows. Needs sm_90+.
         linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
@@ -79,15 +77,13 @@ class TritonTarget:
     decode_programs_per_sm: int = 4
     decode_min_tiles_per_split: int = 4
     decode_tma: bool = False
-    decode_pdl: bool = False
     prefill_tma: bool = False
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
 
 
-#: NVIDIA Hopper and newer data-centre parts (sm_90, sm_100: 227 KiB of shared memory a block, TMA, programmatic
-#: dependent launch); the CUDA plugin picks it by compute capability (``vllm_port_cuda.ops.target_for``).
+#: NVIDIA Hopper and newer data-centre parts (sm_90, sm_100: 227 KiB of shared memory a block, TMA); the CUDA plugin picks it by compute capability (``vllm_port_cuda.ops.target_for``).
 #: Element-wise blocks of 2048 measured best on an H200 (dev/tune_elementwise.py). ``linear`` (the defaults
 #: above, chosen from first principles until dev/tune_linear.py measures them): 256 bfloat16 of a weight row
 #: per step (a 16-byte vector per thread), 32 weight rows per program, 3 weight tiles of 16 KiB in flight,
@@ -98,7 +94,7 @@ class TritonTarget:
 #: tiles over 8 warps, 3 stages (Q 32 KiB + 3 x 64 KiB of K/V for bf16 x 128: 224 KiB), with TMA where a key
 #: tile lies inside one cache block (the platform's 128-token blocks: 463 TFLOP/s against 340 for gathered
 #: 16-token blocks); decode streams 64-key tiles over 4 warps, 2 stages deep, splits each sequence's keys until
-#: about 8 programs per SM run, and launches the merge of the splits as a programmatic dependent.
+#: about 8 programs per SM run.
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -112,7 +108,6 @@ CUDA = TritonTarget(
     decode_programs_per_sm=8,
     decode_min_tiles_per_split=4,
     decode_tma=True,
-    decode_pdl=True,
     prefill_tma=True,
     linear_max_rows=0,
 )
