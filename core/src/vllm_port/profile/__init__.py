@@ -6,7 +6,9 @@
     print(render(report))                                              # graph, op providers, memory, comm
     result = compare(report, load_baseline("base.json"))               # what regressed, and by how much
 
-``vllm-port profile [MODEL_DIR] [--baseline F]`` is the same from the shell (exit 1 on regression).
+``vllm-port profile [MODEL_DIR] [--importer hf] [--baseline F]`` is the same from the shell (exit 1 on
+regression); ``profile_model(load_profile_model(model_dir, runtime, importer="hf"), runtime)`` profiles
+the model ``LLM(model_dir, importer="hf")`` runs.
 See docs/profile.md for what each number means and how to use a baseline in CI.
 """
 
@@ -21,6 +23,7 @@ from .schema import (
     DEFAULT_MIN_SHARE_PCT,
     DEFAULT_THRESHOLD_PCT,
     FORMAT,
+    IMPORTERS,
     PHASES,
     SCHEMA_VERSION,
     STACK_LAYERS,
@@ -31,6 +34,7 @@ __all__ = [
     "DEFAULT_MIN_SHARE_PCT",
     "DEFAULT_THRESHOLD_PCT",
     "FORMAT",
+    "IMPORTERS",
     "PHASES",
     "SCHEMA_VERSION",
     "STACK_LAYERS",
@@ -39,7 +43,9 @@ __all__ = [
     "collective_name",
     "compare",
     "identity",
+    "importer_of",
     "load_baseline",
+    "load_profile_model",
     "profile_model",
     "render",
     "render_comparison",
@@ -47,7 +53,7 @@ __all__ = [
 
 #: Names served by ``collect``, which loads the flat tracer and the profiler: imported on first use,
 #: so ``vllm-port``'s argument parsing (which reads ``profile.command``) stays fast.
-_LAZY = {"collective_name", "identity", "profile_model"}
+_LAZY = {"collective_name", "identity", "importer_of", "load_profile_model", "profile_model"}
 
 
 def __getattr__(name: str) -> Any:

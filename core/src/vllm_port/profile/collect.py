@@ -23,6 +23,7 @@ timed by the same clock, so the node times are held against the step the engine 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import platform as host_platform
@@ -31,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,10 +45,10 @@ from ..flat import FlatGraph, FlatModel, graph_inputs
 from ..flat.trace import StepInputs
 from ..graph import GraphCapture, capturing
 from ..memory import KVCache, KVLayout
-from .schema import FORMAT, PHASES, SCHEMA_VERSION, STACK_LAYERS, ProfileError
+from .schema import FORMAT, IMPORTERS, PHASES, SCHEMA_VERSION, STACK_LAYERS, ProfileError
 from .timeline import Attribution, attribute_device_work
 
-__all__ = ["collective_name", "identity", "profile_model"]
+__all__ = ["collective_name", "identity", "importer_of", "load_profile_model", "profile_model"]
 
 #: Prefix of every profiler range this module opens.
 LABEL = "vllm_port.profile"
@@ -165,9 +167,8 @@ def _make_step(flat: FlatModel, phase: str, caches: list[tuple[torch.Tensor, tor
     args = graph_inputs(ids, positions, caches, meta)
     sync = None if ids.device.type == "cpu" else (lambda: _synchronize(ids.device))
     ranged_graph = _instrumented(graph, sync)
-    head = flat.kernels.providers["linear"]
     select = _ranged(f"{LABEL}/{phase}/logits_rows", torch.index_select, sync)
-    lm_head = _ranged(f"{LABEL}/{phase}/lm_head", flat.compute_logits, sync)
+    lm_head, head_nodes = _lm_head(flat, phase, sync)
 
     def run() -> torch.Tensor:
         return flat.compute_logits(graph(*args).index_select(0, rows))
@@ -180,8 +181,56 @@ def _make_step(flat: FlatModel, phase: str, caches: list[tuple[torch.Tensor, tor
     ]
     # after the graph, as the engine's runner does: the rows that need logits, then the LM head
     nodes.append(_node_record("logits_rows", str(torch.ops.aten.index_select.default), "native", "torch", "", None))
-    nodes.append(_node_record("lm_head", "linear", "contract", head.name, head.plugin, None))
+    nodes += head_nodes
     return _Step(phase, rows, run, run_ranged, nodes, meta, ids, positions)
+
+
+def _lm_head(
+    flat: FlatModel, phase: str, sync: Callable[[], None] | None
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[dict[str, Any]]]:
+    """The LM head as the runner runs it after the graph (logits of hidden rows), in ranges, and its nodes.
+
+    A core model's head is one ``linear``: the node ``lm_head``. An imported model's head is the
+    piece the importer rewrote from the causal LM's forward after its base model (an fx graph,
+    ``ImportedModel.lm_head``): its ``linear`` is the node ``lm_head`` and every other call in it
+    (a view; Gemma-2's final soft cap, which the importer leaves as native torch ops) a node of its
+    own, ``lm_head.<name>``, so that what the importer left native is timed as in the layers.
+    """
+    linear = flat.kernels.providers["linear"]
+    head = _node_record("lm_head", "linear", "contract", linear.name, linear.plugin, None)
+    piece = getattr(flat.model, "lm_head", None)
+    if importer_of(flat.model) is None or not isinstance(piece, fx.GraphModule):
+        return _ranged(f"{LABEL}/{phase}/lm_head", flat.compute_logits, sync), [head]
+    from ..importer._contract import CONTRACT_CALLS  # the calls a rewritten piece makes for contract ops
+
+    ranged_piece = fx.GraphModule(piece, copy.deepcopy(piece.graph))  # shares the piece's weights
+    nodes: list[dict[str, Any]] = []
+    for node in ranged_piece.graph.nodes:
+        if node.op != "call_function":
+            continue
+        ops = CONTRACT_CALLS.get(node.target, ())
+        if ops == ("linear",) and head not in nodes:
+            record = head
+        elif len(ops) == 1:
+            provider = flat.kernels.providers[ops[0]]
+            record = _node_record(f"lm_head.{node.name}", ops[0], "contract", provider.name, provider.plugin, None)
+        else:
+            record = _node_record(f"lm_head.{node.name}", str(node.target), "native", "torch", "", None)
+        node.target = _ranged(f"{LABEL}/{phase}/{record['name']}", node.target, sync)
+        nodes.append(record)
+    if head not in nodes:
+        raise ProfileError(
+            f"profile: the imported LM head ({type(flat.model).__name__}.lm_head) calls no contract linear; the "
+            "profile cannot tell which node is the head's (inspect it with vllm-port inspect MODEL_DIR --import)"
+        )
+    ranged_piece.recompile()
+    ranged_model = copy.copy(flat.model)  # shallow: the same layers and weights, the ranged head
+    ranged_model.lm_head = ranged_piece
+
+    def lm_head(hidden: torch.Tensor) -> torch.Tensor:
+        return ranged_model.compute_logits(flat.kernels, hidden)
+
+    return lm_head, nodes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -509,6 +558,9 @@ def _weights_bytes(model: Any) -> int:
     def visit(value: Any, depth: int) -> None:
         if isinstance(value, torch.Tensor):
             seen.setdefault(value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
+        elif isinstance(value, torch.nn.Module):  # an imported model's pieces hold their weights as a module does
+            for tensor in [*value.parameters(), *value.buffers()]:
+                visit(tensor, depth + 1)
         elif depth < 3 and isinstance(value, (list, tuple)):
             for item in value:
                 visit(item, depth + 1)
@@ -627,16 +679,57 @@ def _device_name(runtime: Any) -> str:
     return host_platform.processor() or host_platform.machine()
 
 
+def importer_of(model: Any) -> str | None:
+    """The importer that made ``model``: ``"hf"`` for a ``transformers`` model imported by
+    :func:`vllm_port.importer.import_model`, ``None`` for a core model definition."""
+    from ..importer.model import ImportedModel  # no transformers import: the importer loads it only to import
+
+    return "hf" if isinstance(model, ImportedModel) else None
+
+
+def load_profile_model(
+    model_dir: str | Path, runtime: Any, dtype: torch.dtype | None = None, importer: str | None = None
+) -> Any:
+    """The model ``vllm-port profile MODEL_DIR [--importer hf]`` profiles, on ``runtime``'s device.
+
+    :param dtype: default the checkpoint's.
+    :param importer: ``None`` for the core model definition (``vllm_port.models.load_model``);
+        ``"hf"`` to load the directory with ``transformers`` and import it as ``LLM(model_dir,
+        importer="hf")`` does (traced, rewritten into contract ops, checked against transformers).
+    :raises ProfileError: for an unknown importer; ``ModelLoadError`` or ``ImporterError`` for a
+        directory that cannot be loaded or imported.
+    """
+    if importer is None:
+        from ..models import load_config, load_model
+
+        return load_model(model_dir, runtime.device, dtype or load_config(model_dir).dtype)
+    if importer not in IMPORTERS:
+        raise ProfileError(
+            f"profile: importer {importer!r} is unknown; use one of {', '.join(IMPORTERS)}, or none for the core model"
+        )
+    from ..importer.engine import load_hf_model
+    from ..importer.model import import_model
+
+    hf_model = load_hf_model(model_dir, dtype)
+    # the imported model shares the module's weights; dropping the module frees those it fused (q/k/v, gate/up)
+    return import_model(hf_model, runtime, dtype)
+
+
 def identity(
-    model: Any, runtime: Any, dtype: torch.dtype, batch: int, context: int, block_size: int = 16
+    model: Any, runtime: Any, dtype: torch.dtype, batch: int, context: int, block_size: int | None = None
 ) -> dict[str, Any]:
-    """What a profile must share with its baseline to be compared: model shape, dtype, batch shape, platform."""
+    """What a profile must share with its baseline to be compared: model shape and who built it (the core
+    definition or an importer), dtype, batch shape, platform.
+
+    :param block_size: default the platform's ``kv_block_size``, as :func:`profile_model`'s.
+    """
     c = model.config
     facts = {
         "architecture": c.architecture,
         "num_layers": c.num_layers,
         "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
+        # an imported model's config has none (ImportedConfig reads attention sizes from the traced graph)
+        "intermediate_size": getattr(c, "intermediate_size", None),
         "num_heads": c.num_heads,
         "num_kv_heads": c.num_kv_heads,
         "head_size": c.head_size,
@@ -645,8 +738,9 @@ def identity(
     facts["fingerprint"] = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
     return {
         "model": facts,
+        "importer": importer_of(model),
         "dtype": str(dtype).removeprefix("torch."),
-        "shape": {"batch": batch, "context": context, "block_size": block_size},
+        "shape": {"batch": batch, "context": context, "block_size": block_size or runtime.platform.kv_block_size},
         "platform": runtime.platform.name,
         "device": _device_name(runtime),
     }
@@ -684,6 +778,9 @@ def profile_model(
 ) -> dict[str, Any]:
     """Profile ``model`` on ``runtime``: every node of each phase's step, grouped by stack layer (JSON-ready).
 
+    :param model: a core model (``vllm_port.models.load_model``) or an imported one
+        (``vllm_port.importer.import_model``; :func:`load_profile_model` loads either from a directory);
+        the report's ``importer`` says which, and a baseline must share it.
     :param batch: sequences in the step; :param context: tokens per sequence: a prefill step computes
         all of them, a decode step the last one with the others in the KV cache.
     :param repeats: steps profiled; each node's time is the median over them.

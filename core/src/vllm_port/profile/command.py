@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import VllmPortError
-from .schema import DEFAULT_MIN_SHARE_PCT, DEFAULT_THRESHOLD_PCT, PHASES
+from .schema import DEFAULT_MIN_SHARE_PCT, DEFAULT_THRESHOLD_PCT, IMPORTERS, PHASES
 
 __all__ = ["add_arguments", "run"]
 
@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device", default=None, metavar="NAME", help="platform to run on (default: the best available)"
+    )
+    parser.add_argument(
+        "--importer",
+        default=None,
+        choices=IMPORTERS,
+        help="profile the model as LLM(MODEL_DIR, importer=...) runs it: 'hf' loads it with transformers and "
+        "imports it (default: the core model definition)",
     )
     parser.add_argument("--batch", type=int, default=8, metavar="N", help="sequences in each step (default 8)")
     parser.add_argument(
@@ -104,17 +111,20 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from ..data import bundled_model_dir
-    from ..models import load_config, load_model
     from ..runtime import load
-    from .collect import identity, profile_model  # the tracer and the profiler: loaded only to profile
+    from .collect import identity, load_profile_model, profile_model  # the tracer and the profiler: only to profile
     from .compare import check_comparable, compare, load_baseline
     from .render import render, render_comparison
 
     baseline = load_baseline(args.baseline) if args.baseline else None  # refuse a bad file before any work
+    if baseline is not None and baseline.get("importer") != args.importer:  # before the model loads and imports
+        check_comparable({**baseline, "importer": args.importer}, baseline, f"baseline {args.baseline}")
     model_dir = Path(args.model_dir) if args.model_dir else bundled_model_dir()
     runtime = load(device=args.device)
-    dtype = load_config(model_dir).dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = load_model(model_dir, runtime.device, dtype)
+    model = load_profile_model(
+        model_dir, runtime, None if args.dtype == "auto" else getattr(torch, args.dtype), args.importer
+    )
+    dtype = model.dtype
     phases = PHASES if args.phase == "both" else (args.phase,)
     if baseline is not None:
         facts = identity(model, runtime, dtype, args.batch, args.context)

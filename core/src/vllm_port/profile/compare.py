@@ -1,10 +1,10 @@
 """Compare a profile with a saved baseline: which stack layer, op or provider got slower, and by how much.
 
-Two profiles are comparable only when they profiled the same model shape, dtype, batch shape and
-platform with the same timer (:func:`check_comparable` says which field differs otherwise). A time
-(a phase's step; the same step replayed from a captured device graph, where both runs captured it;
-a stack layer, an op over all its nodes, one provider of an op, a collective) has regressed when it
-grew by more than all of:
+Two profiles are comparable only when they profiled the same model shape, built the same way (the
+core definition or one importer), dtype, batch shape and platform with the same timer
+(:func:`check_comparable` says which field differs otherwise). A time (a phase's step; the same step
+replayed from a captured device graph, where both runs captured it; a stack layer, an op over all
+its nodes, one provider of an op, a collective) has regressed when it grew by more than all of:
 
 - ``threshold_pct`` percent of the baseline's time;
 - the noise: twice the larger spread of the two runs (half the interquartile range over repeats);
@@ -29,6 +29,7 @@ __all__ = ["check_comparable", "compare", "load_baseline"]
 
 #: Fields two comparable profiles share (the device name only warns: CI runners differ in processor).
 _IDENTITY = (
+    ("importer", "--importer"),
     ("model", "the model's shape"),
     ("dtype", "--dtype"),
     ("shape", "--batch/--context"),
@@ -62,16 +63,18 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
 
 
 def check_comparable(current: Mapping[str, Any], baseline: Mapping[str, Any], where: str = "baseline") -> list[str]:
-    """Refuse a baseline of another model, dtype, batch shape, platform or timer; return notes on lesser differences.
+    """Refuse a baseline of another model or importer, dtype, batch shape, platform or timer; return notes on
+    lesser differences.
 
     :raises ProfileError: naming each field that differs, both values, and how to fix it.
     """
     problems = []
     for field, option in _IDENTITY:
         if current.get(field) != baseline.get(field):
-            problems.append(
-                f"{field} {_short(baseline.get(field))} in the baseline, {_short(current.get(field))} now ({option})"
+            was, now = (
+                _importer(v) if field == "importer" else _short(v) for v in (baseline.get(field), current.get(field))
             )
+            problems.append(f"{field} {was} in the baseline, {now} now ({option})")
     if current.get("timer") != baseline.get("timer") and "timer" in current:
         problems.append(f"timer {baseline.get('timer')!r} in the baseline, {current.get('timer')!r} now")
     if not set(current.get("phases", {})) & set(baseline.get("phases", {})):
@@ -92,6 +95,11 @@ def check_comparable(current: Mapping[str, Any], baseline: Mapping[str, Any], wh
             "times may differ for that"
         )
     return notes
+
+
+def _importer(value: Any) -> str:
+    """Who built the profiled model; profiles from before importers were profiled have no field: the core model."""
+    return "none (the core model definition)" if value is None else f"{value!r} (an imported model)"
 
 
 def _short(value: Any) -> str:

@@ -50,8 +50,10 @@ def render(report: Mapping[str, Any], all_nodes: bool = False, top: int = 10) ->
     """The profile as text: per phase the step, stack layers, ops by provider, model layers and the slowest nodes."""
     model = report["model"]
     shape = report["shape"]
+    importer = report.get("importer")  # absent from profiles written before imported models were profiled
+    built = f", imported by {importer!r}" if importer else ""
     lines = [
-        f"profile: {report['model_dir'] or '?'} ({model['architecture']}, {model['num_layers']} layers)  "
+        f"profile: {report['model_dir'] or '?'} ({model['architecture']}, {model['num_layers']} layers{built})  "
         f"platform: {report['platform']} ({report['device']})  dtype: {report['dtype']}",
         f"batch {shape['batch']} x context {shape['context']}, {report['repeats']} profiled steps per phase "
         f"(node times are medians); {report['timer_note']}",

@@ -8,6 +8,7 @@ __all__ = [
     "DEFAULT_MIN_SHARE_PCT",
     "DEFAULT_THRESHOLD_PCT",
     "FORMAT",
+    "IMPORTERS",
     "PHASES",
     "SCHEMA_VERSION",
     "STACK_LAYERS",
@@ -19,6 +20,8 @@ FORMAT = "vllm-port-profile"
 SCHEMA_VERSION = 1
 #: The steps a profile can time (the flat graphs' phases, ``vllm_port.flat.PHASES``).
 PHASES = ("decode", "prefill")
+#: Importers ``profile --importer`` takes (``LLM(importer=...)``'s names; ``vllm_port.importer.engine.IMPORTERS``).
+IMPORTERS = ("hf",)
 #: The seeds' layers that take time in a step; memory (bytes) is the fourth group.
 STACK_LAYERS = ("ops", "graph", "comm")
 #: A time must grow by more than this percentage of the baseline's to count as a regression.
