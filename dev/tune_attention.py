@@ -377,7 +377,8 @@ class Problem:
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Problem:
         seqs = sorted({0, q.shape[0] - 1})
-        heads = sorted({0, HEADS // 2 + 1, HEADS - 1} & set(range(HEADS)))  # first, middle and last KV head
+        # query heads of the first, a middle and the last KV head
+        heads = sorted({0, HEADS // 2 + 1, HEADS - 1} & set(range(HEADS)))
         group = HEADS // KV_HEADS
         mask = bottom_right_causal(q.shape[2], k.shape[2], q.device)
         ref = []

@@ -518,7 +518,13 @@ class TorchMigrator:
         for key in reads:
             self._reading[key] = self._reading.get(key, 0) + 1
         self._writing.update(writes)
-        event = self._launch(src, dst, src_ids, dst_ids) if pair_list else None
+        try:
+            event = self._launch(src, dst, src_ids, dst_ids) if pair_list else None
+        except BaseException:  # nothing was queued: the blocks are not in flight, nor held
+            self._release(reads, writes)
+            for pool, ids in holds:
+                pool.release(ids)
+            raise
         return MigrationHandle(self, reads, writes, holds, event)
 
     def _launch(self, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> Any:
@@ -627,15 +633,15 @@ class FusedSwapMigrator(TorchMigrator):
         return handle
 
     def _launch(self, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> Any:
-        plan = self._kernel_plan(src, dst, len(src_ids))
+        try:
+            plan = self._kernel_plan(src, dst, len(src_ids))
+            event = self._launch_kernel(src, dst, src_ids, dst_ids, plan) if plan is not None else None
+        except Exception as exc:  # whatever failed, planning or launching, the chunked path still makes the copy
+            self._give_up_kernel(f"the swap kernel raised {type(exc).__name__}: {exc}")
+            plan = None
         if plan is not None:
-            try:
-                event = self._launch_kernel(src, dst, src_ids, dst_ids, plan)
-            except Exception as exc:  # whatever failed, the chunked path still makes the copy
-                self._give_up_kernel(f"the swap kernel raised {type(exc).__name__}: {exc}")
-            else:
-                self.launches["kernel"] += 1
-                return event
+            self.launches["kernel"] += 1
+            return event
         self.launches["torch"] += 1
         return super()._launch(src, dst, src_ids, dst_ids)
 
@@ -702,7 +708,7 @@ class FusedSwapMigrator(TorchMigrator):
         """A pairs buffer no kernel still reads, holding ``(src_ids[i], dst_ids[i])`` in its first rows."""
         n = len(src_ids)
         for slot in self._pair_buffers:
-            if slot[0].shape[0] >= n and (slot[2] is None or slot[2].query()):
+            if slot[0].shape[0] >= n and slot[0].is_pinned() == pinned and (slot[2] is None or slot[2].query()):
                 break
         else:
             buffer = torch.empty((max(256, 1 << (n - 1).bit_length()), 2), dtype=torch.int64, pin_memory=pinned)
@@ -818,12 +824,14 @@ def _on(stream: Any) -> Iterator[None]:
     if stream is None:
         yield
         return
+    device = torch.accelerator.current_device_index()  # set_stream also makes the stream's device current
     previous = torch.accelerator.current_stream(stream.device)
     torch.accelerator.set_stream(stream)
     try:
         yield
     finally:
         torch.accelerator.set_stream(previous)
+        torch.accelerator.set_device_index(device)
 
 
 def _record(stream: Any) -> Any:

@@ -8,6 +8,7 @@ memory through the mapping, the path the CUDA plugin's migrator takes.
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -16,7 +17,14 @@ from vllm_port.bench import swap as bench_swap
 from vllm_port.errors import MemoryContractError, StrictModeError
 from vllm_port.kernels.triton import swap
 from vllm_port.kernels.triton.swap import plan_block_copy, swap_blocks
-from vllm_port.memory import FusedSwapMigrator, HostMemoryAllocator, KVCache, KVLayout, TorchDeviceAllocator
+from vllm_port.memory import (
+    FusedSwapMigrator,
+    HostMemoryAllocator,
+    KVCache,
+    KVLayout,
+    TorchDeviceAllocator,
+    TorchMigrator,
+)
 
 ACCELERATOR = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 #: where the "device" cache lives: the accelerator, or the host under the interpreter
@@ -146,6 +154,32 @@ def test_a_contiguous_block_is_one_piece_split_over_programs(monkeypatch: pytest
     assert _same_bits(dst, expected)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "head", "chunk_words"),
+    [(BLOCK, HEAD, 4), (3, HEAD, 8), (1, 3, 2)],  # 16 words a piece in 4 chunks; 12 in 2, the last half masked; 3 in 2
+)
+def test_every_piece_of_a_strided_block_is_split_over_programs_too(
+    monkeypatch: pytest.MonkeyPatch, tokens: int, head: int, chunk_words: int
+) -> None:
+    """Pieces and chunks both above one: the grid's second and third dimensions address words together."""
+    monkeypatch.setattr(swap, "_CHUNK_WORDS", chunk_words)
+    device = _device_blocks(5, seed=13, tokens=tokens, head=head)
+    host = _host_blocks(4, seed=14, tokens=tokens, head=head)
+    plan = plan_block_copy(device, host)
+    assert plan.pieces == 2 * LAYERS and plan.chunk_words == chunk_words < plan.piece_words
+    for src, dst, pairs in ((device, host, [(4, 0), (0, 3), (2, 1)]), (host, device, [(3, 3), (1, 0)])):
+        expected = _expected(src, dst, pairs)
+        swap_blocks(src, dst, _pairs(pairs))
+        _sync()
+        assert _same_bits(dst, expected)
+
+
+def test_a_block_of_more_pieces_than_the_grid_holds_is_refused() -> None:
+    src = torch.zeros(2, 70_000, 4, dtype=torch.bfloat16)[..., :2]  # a block: 70,000 runs of 2 elements
+    with pytest.raises(MemoryContractError, match="70000 pieces of 2 elements exceeds the grid's 65535.*chunked path"):
+        plan_block_copy(src, torch.zeros(2, 70_000, 2, dtype=torch.bfloat16))
+
+
 def test_caches_of_different_blocks_are_refused() -> None:
     device, host = _device_blocks(3), _host_blocks(3)
     with pytest.raises(MemoryContractError, match=r"caches differ: src \(3, 2, 2, 4, 2, 8\) torch.bfloat16"):
@@ -234,6 +268,44 @@ def test_a_kernel_copy_keeps_its_blocks_in_flight_until_its_handle_completes() -
     assert _same_bits(device[3], device[1]) and len(migrator._pair_buffers) == 1
 
 
+class _StillRead:
+    """The event of a kernel that has not run yet: the pairs buffer it reads must not be rewritten."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_pairs_buffer_a_kernel_may_still_read_is_not_rewritten() -> None:
+    migrator = _migrator()
+    device, host = _device_blocks(4, seed=15), _host_blocks(4)
+    migrator.copy_blocks(device, host, [(1, 2), (3, 0)]).wait()
+    (first,) = migrator._pair_buffers
+    first[2] = _StillRead()
+    migrator.copy_blocks(host, device, [(2, 0)]).wait()
+    assert len(migrator._pair_buffers) == 2 and first[0][:2].tolist() == [[1, 2], [3, 0]]
+    assert _same_bits(device[0], device[1])  # host block 2 held device block 1
+    first[2] = None  # its kernel has run: the buffer serves again
+    migrator.copy_blocks(device, host, [(0, 1)]).wait()
+    assert len(migrator._pair_buffers) == 2 and _same_bits(host[1], device[0])
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="torch.cuda._sleep holds the kernels back on a CUDA device")
+def test_copies_queued_before_any_runs_each_read_their_own_pairs() -> None:
+    """Three swaps queued behind a busy stream: no kernel has run when the next copy picks its pairs buffer."""
+    migrator = _migrator()
+    device, host = _device_blocks(6, seed=16), _host_blocks(6)
+    migrator.copy_blocks(device, host, [(0, 0)]).wait()  # compiled and planned before the clock matters
+    swaps = [[(0, 5), (1, 4)], [(2, 3)], [(3, 2), (4, 1), (5, 0)]]
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of the current stream, which every copy waits for
+    handles = [migrator.copy_blocks(device, host, pairs) for pairs in swaps]
+    assert not any(h.done() for h in handles) and len(migrator._pair_buffers) == len(swaps)
+    for handle in handles:
+        handle.wait()
+    for pairs in swaps:
+        assert all(_same_bits(host[h], device[d]) for d, h in pairs), pairs
+    assert migrator.launches == {"kernel": 1 + len(swaps), "torch": 0}
+
+
 def test_a_threshold_of_zero_never_takes_the_kernel_and_a_bad_one_is_refused() -> None:
     migrator = _migrator(kernel_below_bytes=0)
     device, host = _device_blocks(2, seed=8), _host_blocks(2)
@@ -272,6 +344,53 @@ def test_a_failing_launch_falls_back_to_the_chunked_path_and_says_why(monkeypatc
     assert "the swap kernel raised ValueError: Pointer argument (at 2)" in why and "chunked copies" in why
     migrator.copy_blocks(host, device, [(0, 1)]).wait()  # given up: no second attempt, no second record
     assert migrator.launches == {"kernel": 0, "torch": 2} and len(migrator.fallbacks) == 1
+
+
+def test_a_swap_kernel_that_cannot_be_imported_is_a_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm_port.kernels.triton", None)  # as if triton were not installed
+    migrator = _migrator()
+    device, host = _device_blocks(3, seed=17), _host_blocks(3)
+    migrator.copy_blocks(device, host, [(0, 1)]).wait()
+    assert migrator.launches == {"kernel": 0, "torch": 1} and _same_bits(host[1], device[0])
+    (why,) = migrator.fallbacks
+    assert why.startswith("FusedSwapMigrator: the swap kernel cannot be imported") and "chunked copies" in why
+
+
+def test_a_plan_that_raises_is_a_fallback_and_leaves_nothing_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("a layout nobody planned for")
+
+    monkeypatch.setattr(swap, "plan_block_copy", broken)
+    migrator = _migrator()
+    device, host = _device_blocks(3, seed=19), _host_blocks(3)
+    migrator.copy_blocks(device, host, [(2, 0)]).wait()
+    assert migrator.launches == {"kernel": 0, "torch": 1} and _same_bits(host[0], device[2])
+    assert "ZeroDivisionError" in migrator.fallbacks[0]
+    assert not migrator.in_flight(host, 0)
+
+
+def test_a_copy_that_raises_leaves_no_block_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("out of staging memory")
+
+    migrator = _migrator(kernel_below_bytes=0)  # the chunked path, which here fails
+    monkeypatch.setattr(TorchMigrator, "_launch", broken)
+    device, host = _device_blocks(3, seed=20), _host_blocks(3)
+    with pytest.raises(RuntimeError, match="out of staging memory"):
+        migrator.copy_blocks(device, host, [(1, 1)])
+    assert not migrator.in_flight(device, 1) and not migrator.in_flight(host, 1)
+    monkeypatch.undo()
+    migrator.copy_blocks(device, host, [(1, 1)]).wait()  # the same blocks copy again: nothing was left held
+    assert _same_bits(host[1], device[1])
+
+
+def test_a_layout_the_kernel_cannot_walk_takes_the_chunked_path_without_a_fallback() -> None:
+    migrator = _migrator()
+    device = _random((2, 70_000, 4), torch.bfloat16, 18).to(DEVICE)[..., :2]  # more pieces than the grid holds
+    host = torch.zeros(2, 70_000, 2, dtype=torch.bfloat16, pin_memory=ON_GPU)
+    migrator.copy_blocks(device, host, [(1, 0)]).wait()
+    assert migrator.launches == {"kernel": 0, "torch": 1} and migrator.fallbacks == []
+    assert _same_bits(host[0], device[1])
 
 
 def test_strict_mode_refuses_the_fallback_and_leaves_nothing_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from vllm_port.kernels.triton import CUDA, CUDA_AMPERE, CUDA_COMPACT
 from vllm_port.kernels.triton.attention import _tiles
 from vllm_port_cuda import ops
+from vllm_port_cuda.platform import NvmlDevice
 
 HEAD, BF16 = 128, 2
 
@@ -65,3 +66,24 @@ def test_providers_use_the_target_of_the_visible_gpus(monkeypatch) -> None:
     monkeypatch.setattr(ops, "visible_capabilities", lambda: [(8, 0)])
     attention = next(p for p in ops.providers() if p.op == "prefill_attention")
     assert attention.fn.__self__.target == CUDA_AMPERE
+
+
+def test_the_visible_gpus_capabilities_come_from_nvml_in_cuda_visible_devices_order(monkeypatch) -> None:
+    asked = []
+
+    def read_nvml(visible):
+        asked.append(visible)
+        return [NvmlDevice("NVIDIA A100", 80 << 30, (8, 0)), NvmlDevice("NVIDIA H200", 141 << 30, (9, 0))], "570.1"
+
+    monkeypatch.setattr(ops.platform, "read_nvml", read_nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert ops.visible_capabilities() == [(8, 0), (9, 0)] and asked == [["1", "0"]]
+    assert ops.target_for(ops.visible_capabilities()) == CUDA_AMPERE  # what fits both
+
+
+def test_without_nvml_or_a_cuda_gpu_no_capability_is_known(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(ops.platform, "read_nvml", lambda visible: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ops.visible_capabilities() == []
