@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from vllm_port import LLM
 from vllm_port.importer import ImporterError, _verify, import_model
-from vllm_port.importer._contract import contract_linear, contract_rotary
+from vllm_port.importer._contract import contract_linear, contract_rotary, contract_rotary_rows
 from vllm_port.importer._graph import writable
 from vllm_port.importer._trace import _attention_function
 from vllm_port.importer.report import render_import
@@ -141,7 +141,9 @@ def test_the_in_place_proof_follows_views_and_split_pieces_and_stops_at_aliases(
 def test_rotary_is_proven_writable_on_the_fused_graph_it_rewrites(cpu_runtime):
     model = import_model(build_tiny_model("llama"), cpu_runtime)
     for layer in model.layers:
-        (rotary,) = [n for n in layer.graph.nodes if n.target is contract_rotary]
+        # proven writable, so rotated in place on the rows of q and k (no copy: contract_rotary_rows has none)
+        (rotary,) = [n for n in layer.graph.nodes if n.target in (contract_rotary, contract_rotary_rows)]
+        assert rotary.target is contract_rotary_rows
         query, key = rotary.args[2], rotary.args[3]
         bases = []
         for node in (query, key):
@@ -150,7 +152,6 @@ def test_rotary_is_proven_writable_on_the_fused_graph_it_rewrites(cpu_runtime):
             bases.append(node.args[0].args[0])
         assert bases[0] is bases[1] and bases[0].target is contract_linear  # q and k: pieces of the fused q/k/v
         assert bases[0].args[2].target == "self_attn_q_proj_k_proj_v_proj_weight"
-        assert rotary.args[-2:] == (False, False)  # rotated in place, no copy
 
 
 def test_dtype_casts_left_native_are_reported(cpu_runtime):

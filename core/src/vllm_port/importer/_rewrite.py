@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from ._contract import (
     CONTRACT_CALLS,
+    ROW_VIEWS,
     contract_attention,
     contract_embedding,
     contract_gated,
@@ -51,6 +52,7 @@ from ._graph import (
     traced_value,
 )
 from ._rotary import rewrite_rotaries
+from ._rows import carry_rows
 from ._trace import ImporterError, attention_marker
 
 __all__ = ["Mapped", "PieceReport", "rewrite_piece"]
@@ -433,7 +435,7 @@ class _Rewriter:
             ):
                 continue
             cast = cast_dtypes(node)
-            if node.target in VIEWS or (node.target in CASTS and cast is None):
+            if node.target in VIEWS or node.target in ROW_VIEWS or (node.target in CASTS and cast is None):
                 self.report.views += 1
                 continue
             native = {"piece": self.piece, "node": node.name, "op": _op_name(node.target)}
@@ -533,6 +535,7 @@ def rewrite_piece(
     cos: fx.Node | None = None,
     sin: fx.Node | None = None,
     who: str = "the model",
+    rows: fx.Node | None = None,
 ) -> tuple[fx.GraphModule, PieceReport, dict[str, Any] | None]:
     """Rewrite ``gm`` in place; return it, its report and its attention's facts (``None`` without attention).
 
@@ -543,6 +546,9 @@ def rewrite_piece(
     :param rotary_table: the ``rotary_embedding`` table of the model's cos/sin (``None``: rotary stays native).
     :param cos: ``sin``: the placeholders of the cos and sin inputs, when the piece has them.
     :param who: the model's class name, for errors.
+    :param rows: the placeholder of the piece's hidden states (traced ``[1, tokens, hidden]``): the
+        rewritten piece takes and returns rows ``[tokens, hidden]`` instead, and carries its residual
+        stream as rows (``_rows``), so that the flat passes fuse each residual add into the next norm.
     :raises ImporterError: for a layer that attends more than once.
     """
     graph = gm.graph
@@ -563,5 +569,7 @@ def rewrite_piece(
     rewriter.linears()
     rewriter.embeddings()
     facts = rewriter.attention()
+    if rows is not None:
+        carry_rows(graph, rows, rows_output=True)
     rewriter.finish()
     return gm, rewriter.report, facts

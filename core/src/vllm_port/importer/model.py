@@ -91,8 +91,10 @@ class ImportedModel:
 
     Attributes:
         layers: each decoder layer's rewritten ``torch.fx.GraphModule``; called as
-            ``layer(ops, positions, key_cache, value_cache, meta, hidden, cos, sin)``.
-        embed, norm, lm_head: the other pieces, rewritten the same way.
+            ``layer(ops, positions, key_cache, value_cache, meta, hidden, cos, sin)``, with ``hidden``
+            (and its result) rows ``[tokens, hidden_size]``.
+        embed, norm, lm_head: the other pieces, rewritten the same way (``embed`` gives rows, ``norm``
+            takes and gives rows; ``lm_head`` takes ``[1, n, hidden_size]``).
         report: the :class:`ImportReport`.
     """
 
@@ -135,13 +137,14 @@ class ImportedModel:
         meta: Any,
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden_size]`` (as ``LlamaModel.forward``)."""
-        hidden = self.embed(ops, positions, None, None, meta, input_ids).unsqueeze(0)
+        # the embedding, the layers and the final norm pass hidden states as rows [tokens, hidden] (``_rows``)
+        hidden = self.embed(ops, positions, None, None, meta, input_ids)
         cos = sin = None
         if self._cos_sin is not None:  # a rotary embedding stayed native: it reads the model's cos/sin
             cos, sin = (t[positions].unsqueeze(0) for t in self._cos_sin)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(ops, positions, key_cache, value_cache, meta, hidden, cos, sin)
-        return self.norm(ops, positions, None, None, meta, hidden)[0]
+        return self.norm(ops, positions, None, None, meta, hidden)
 
     def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` of hidden states ``[n, hidden_size]``."""
@@ -305,7 +308,13 @@ def import_model(
             layers.append(gm)
             facts.append(layer_facts)
     norm = _import_piece(
-        lambda x: parts["norm"](x), [("hidden", hidden(), (False, True, False))], parts["norm"], "norm", who, report
+        lambda x: parts["norm"](x),
+        [("hidden", hidden(), (False, True, False))],
+        parts["norm"],
+        "norm",
+        who,
+        report,
+        rows=True,
     )
     lm_head = _import_head(hf_model, parts, hidden(), who, report)
     geometry = {(f["num_kv_heads"], f["head_size"]) for f in facts}
@@ -402,9 +411,11 @@ def _layer_call(module: torch.nn.Module) -> Any:
     return run_layer
 
 
-def _import_piece(fn, inputs, module, piece, who, report) -> torch.fx.GraphModule:
+def _import_piece(fn, inputs, module, piece, who, report, rows=False) -> torch.fx.GraphModule:
+    """Trace and rewrite one piece; ``rows``: its one input and its output are hidden states passed as rows."""
     gm = trace_piece(fn, inputs, f"{who} {piece}")
-    gm, piece_report, _ = rewrite_piece(gm, piece, _param_names(module), who=who)
+    hidden = next(n for n in gm.graph.nodes if n.op == "placeholder") if rows else None
+    gm, piece_report, _ = rewrite_piece(gm, piece, _param_names(module), who=who, rows=hidden)
     report.pieces.append(piece_report)
     return gm
 
@@ -412,9 +423,9 @@ def _import_piece(fn, inputs, module, piece, who, report) -> torch.fx.GraphModul
 def _import_layer(fn, inputs, module, piece, who, report, table) -> tuple[torch.fx.GraphModule, dict[str, Any]]:
     gm = trace_piece(fn, inputs, f"{who} {piece}")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    cos, sin = placeholders[1], placeholders[2]
+    hidden, cos, sin = placeholders[:3]
     gm, piece_report, facts = rewrite_piece(
-        gm, piece, _param_names(module), rotary_table=table, cos=cos, sin=sin, who=who
+        gm, piece, _param_names(module), rotary_table=table, cos=cos, sin=sin, who=who, rows=hidden
     )
     report.pieces.append(piece_report)
     if facts is None:
