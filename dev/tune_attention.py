@@ -13,8 +13,10 @@ peers get that bottom-right-aligned causal mask). Decode: 1 x 32k, 8 x 8k, 64 x 
 Rows on 128-token blocks (the CUDA platform's default), plus 16-token blocks for prefill 8k, the
 prefix case and every decode shape. TFLOP/s count the causal part; decode GB/s count K/V read once,
 against a device copy measured in the same run. Every time is triton's ``do_bench`` median (L2 flushed
-before each call); decode also as a CUDA-graph replay (how the engine launches it), flush time
-subtracted, the L2 flushed by reading and by writing (see ``graph_cold_us``). Every output (ours and
+before each call, the host's launch included); also as a CUDA-graph replay, flush time subtracted (see
+``graph_cold_us``): decode (the engine launches it so) with the L2 flushed by reading and by writing,
+prefill with it flushed by reading, to tell the host's launch from the kernel (the engine launches
+prefill eagerly: its verdicts judge ``do_bench``; "graph vs" ratios sit beside). Every output (ours and
 the peers') is checked against torch's math SDPA in float32 on sampled sequences and heads. Each case
 runs in its own process (a kernel that faults loses its case, not the run); the goals of issue 17
 are judged in the last columns.
@@ -345,9 +347,17 @@ def bench_us(fn: Callable) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
 
 
-def graph_us(fn: Callable, flush_by: str) -> float | None:
-    """:func:`graph_cold_us` on a GPU; None on CPU (no graphs there)."""
-    return graph_cold_us(fn, flush_by=flush_by) if torch.cuda.is_available() else None
+#: Kernel time one graph holds at most (the calls are made fewer for long kernels: 16k prefill takes 4-7 ms a call).
+GRAPH_REPLAY_BUDGET_US = 50_000
+
+
+def graph_us(fn: Callable, flush_by: str, us_hint: float | None = None) -> float | None:
+    """:func:`graph_cold_us` on a GPU; None on CPU (no graphs there). ``us_hint`` (the call's ``do_bench`` time)
+    caps the captured calls at :data:`GRAPH_REPLAY_BUDGET_US` of work, 3 to 20 of them."""
+    if not torch.cuda.is_available():
+        return None
+    calls = 20 if not us_hint else max(3, min(20, int(GRAPH_REPLAY_BUDGET_US // us_hint)))
+    return graph_cold_us(fn, calls=calls, flush_by=flush_by)
 
 
 def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -442,7 +452,8 @@ def peer(backend: SDPBackend, problem: Problem, formulations: dict[str, dict], q
         return {"error": "n/a: " + "; ".join(f"{n}: {r}" for n, r in tried.items()), "tried": tried}
     if graph:
         try:
-            best["graph_read_us"] = graph_us(sdpa_call(backend, q, k, v, **formulations[best["formulation"]]), "read")
+            run = sdpa_call(backend, q, k, v, **formulations[best["formulation"]])
+            best["graph_read_us"] = graph_us(run, "read", best["us"])
         except Exception as e:
             best["graph_error"] = why(e)
     return {**best, "tried": tried}
@@ -471,12 +482,19 @@ def prefill_data(case: PrefillCase, block_size: int, device: str, data: dict) ->
 
 
 def prefill_ours(case: PrefillCase, provider, data: dict, row: dict) -> None:
+    """Check, then time with ``do_bench`` (host launch included) and as a graph replay (the kernel alone, read flush):
+    the gap between the two is what the host's launch costs. A failed capture is noted; the row stands."""
     run = lambda: provider.fn(*data["args"])  # noqa: E731
     row.update(data["problem"].check(run().view(case.seqs, case.new, HEADS, HEAD).transpose(1, 2)))
     row["us"] = bench_us(run)
+    try:
+        row["graph_read_us"] = graph_us(run, "read", row["us"])
+    except Exception as e:
+        row["graph_error"] = why(e)
+    graph = _graph_shown(row.get("graph_read_us"), "9.1f")
     print(f"prefill {case.label:20s} block {row['block_size']:<3} ours  {row['us']:9.1f} us "
-          f"{data['flops'] / row['us'] / 1e6:6.1f} TFLOP/s  check {row['check']} (max err {row['max_err']:.2g})",
-          flush=True)  # fmt: skip
+          f"{data['flops'] / row['us'] / 1e6:6.1f} TFLOP/s  graph_read {graph}  check {row['check']} "
+          f"(max err {row['max_err']:.2g})", flush=True)  # fmt: skip
 
 
 def prefill_peers(case: PrefillCase, peers: dict, data: dict, result: dict) -> None:
@@ -487,9 +505,10 @@ def prefill_peers(case: PrefillCase, peers: dict, data: dict, result: dict) -> N
     problem, group = data["problem"], HEADS // KV_HEADS
     q, k, v = data["q"].contiguous(), problem.k.repeat_interleave(group, 1), problem.v.repeat_interleave(group, 1)
     for name, backend in peers.items():
-        result["peers"][name] = found = peer(backend, problem, formulations, q, k, v, graph=False)
-        shown = (f"{found['us']:9.1f} us {data['flops'] / found['us'] / 1e6:6.1f} TFLOP/s  as {found['formulation']}"
-                 if "us" in found else found["error"])  # fmt: skip
+        result["peers"][name] = found = peer(backend, problem, formulations, q, k, v, graph=True)
+        graph = _graph_shown(found.get("graph_read_us"), "9.1f")
+        shown = (f"{found['us']:9.1f} us {data['flops'] / found['us'] / 1e6:6.1f} TFLOP/s  graph_read {graph}  "
+                 f"as {found['formulation']}" if "us" in found else found["error"])  # fmt: skip
         print(f"prefill {case.label:20s}           {name:5s} {shown}", flush=True)
 
 
@@ -507,9 +526,9 @@ def decode_ours(case: DecodeCase, provider, data: dict, row: dict) -> None:
     row["do_bench_us"] = bench_us(run)
     row["graph_read_us"] = graph_us(run, "read")
     row["graph_write_us"] = graph_us(run, "write")
-    shown = "  ".join(
-        f"{how} {_f(row[f'{how}_us'], '.1f', ' us')}" for how in ("do_bench", "graph_read", "graph_write")
-    )
+    times = {"do_bench": _f(row["do_bench_us"], ".1f", " us")}
+    times.update({how: _graph_shown(row[f"{how}_us"]) for how in ("graph_read", "graph_write")})
+    shown = "  ".join(f"{how} {took}" for how, took in times.items())
     print(f"decode  {case.label:20s} block {row['block_size']:<3} ours  {shown}  check {row['check']} "
           f"(max err {row['max_err']:.2g})", flush=True)  # fmt: skip
 
@@ -520,7 +539,7 @@ def decode_peers(case: DecodeCase, peers: dict, data: dict, result: dict) -> Non
     for name, backend in peers.items():
         found = peer(backend, problem, {"enable_gqa": {"enable_gqa": True}}, q, problem.k, problem.v, graph=True)
         result["peers"][name] = found
-        shown = (f"do_bench {found['us']:.1f} us  graph_read {_f(found.get('graph_read_us'), '.1f', ' us')}"
+        shown = (f"do_bench {found['us']:.1f} us  graph_read {_graph_shown(found.get('graph_read_us'))}"
                  if "us" in found else found["error"])  # fmt: skip
         print(f"decode  {case.label:20s}           {name:5s} {shown}", flush=True)
 
@@ -612,13 +631,16 @@ def table_rows(results: list[dict], copy_gbs: float, cases) -> tuple[list[dict],
         for ours in res["ours"]:
             check = "error" if "error" in ours else ours.get("check", "error")  # a step after the check failed
             row = {"case": res["case"], "block_size": ours["block_size"], "check": check}
-            row.update({k: ours[k] for k in ("max_err", "error") if k in ours})
+            row.update({k: ours[k] for k in ("max_err", "error", "graph_error") if k in ours})
             if res["kind"] == "prefill":
-                us, flops = ours.get("us"), res.get("flops")
+                us, graph, flops = ours.get("us"), ours.get("graph_read_us"), res.get("flops")
                 row.update(us=us, tflops=flops / us / 1e6 if us and flops else None)
+                row.update(graph_read_us=graph, graph_read_tflops=flops / graph / 1e6 if graph and flops else None)
                 for name in PEERS:
                     found = peers.get(name, {})
                     row.update({f"{name}_us": found.get("us"), f"vs_{name}": ratio(found.get("us"), us)})
+                    row[f"{name}_graph_read_us"] = found.get("graph_read_us")
+                    row[f"vs_{name}_graph"] = ratio(found.get("graph_read_us"), graph)
                     row[f"{name}_note"] = peer_note(found)
                 row.update(cudnn_goal=case.cudnn_goal, cudnn_verdict=judged(row["vs_cudnn"], case.cudnn_goal))
                 row.update(flash_goal=FLASH_GOAL, flash_verdict=judged(row["vs_flash"], FLASH_GOAL))
@@ -644,6 +666,11 @@ def _f(value: float | None, fmt: str, unit: str = "") -> str:
     return format(value, fmt) + unit if value is not None else "n/a"
 
 
+def _graph_shown(us: float | None, fmt: str = ".1f") -> str:
+    """A graph replay's time for a progress line: "-" on CPU (no graph tried), "n/a" where one failed."""
+    return _f(us, fmt, " us") if torch.cuda.is_available() else "-"
+
+
 def peer_note(found: dict) -> str:
     """How a peer ran (its SDPA formulation), and why the other formulations did not serve; or why it did not run."""
     if not found:
@@ -657,19 +684,25 @@ def peer_note(found: dict) -> str:
     return note + ("; not as " + "; ".join(others) if others else "")
 
 
-def print_tables(prefill_rows: list[dict], decode_rows: list[dict], copy_gbs: float) -> None:
-    """Both tables as Markdown, then how each peer ran and every error."""
+def print_tables(prefill_rows: list[dict], decode_rows: list[dict], copy_gbs: float, graphs: bool = True) -> None:
+    """Both tables as Markdown, then how each peer ran and every error. ``graphs=False`` (CPU): no graph was
+    timed, and the graph columns say "-" (not "n/a", which means a graph was tried and failed)."""
+    graph_cell = _f if graphs else lambda value, fmt, unit="": "-"
+    print("\n## Prefill, causal: ours on paged K/V (scattered blocks), peers on contiguous K/V (GQA expanded); "
+          "do_bench and graph replay (read flush)\n")  # fmt: skip
+    print("| case | blocks | ours | TFLOP/s | cuDNN | flash | vs cuDNN | vs flash | ours graph, read flush "
+          "| cuDNN graph, read flush | flash graph, read flush | graph vs cuDNN | graph vs flash "
+          "| >= 0.9x cuDNN (8k, 16k) | >= 1.0x flash | check |")  # fmt: skip
     print(
-        "\n## Prefill, causal: ours on paged K/V (scattered blocks), peers on contiguous K/V (GQA expanded); do_bench\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"
     )
-    print("| case | blocks | ours | TFLOP/s | cuDNN | flash | vs cuDNN | vs flash | >= 0.9x cuDNN (8k, 16k) "
-          "| >= 1.0x flash | check |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
     for r in prefill_rows:
+        graph_cells = [graph_cell(r[f"{who}graph_read_us"], ",.1f", " us") for who in ("", "cudnn_", "flash_")]
+        graph_cells += [graph_cell(r[f"vs_{name}_graph"], ".2f", "x") for name in PEERS]
         print(f"| {r['case']} | {r['block_size']} | {_f(r['us'], ',.1f', ' us')} | {_f(r['tflops'], '.0f')} "
               f"| {_f(r['cudnn_us'], ',.1f', ' us')} | {_f(r['flash_us'], ',.1f', ' us')} "
-              f"| {_f(r['vs_cudnn'], '.2f', 'x')} | {_f(r['vs_flash'], '.2f', 'x')} | {r['cudnn_verdict']} "
-              f"| {r['flash_verdict']} | {r['check']} |")  # fmt: skip
+              f"| {_f(r['vs_cudnn'], '.2f', 'x')} | {_f(r['vs_flash'], '.2f', 'x')} | {' | '.join(graph_cells)} "
+              f"| {r['cudnn_verdict']} | {r['flash_verdict']} | {r['check']} |")  # fmt: skip
     print(
         f"\n## Decode: GB/s count K/V read once, of copy: of {copy_gbs:,.0f} GB/s; peers on contiguous K/V, enable_gqa\n"
     )
@@ -677,20 +710,25 @@ def print_tables(prefill_rows: list[dict], decode_rows: list[dict], copy_gbs: fl
           "| cuDNN graph | flash graph | vs cuDNN | vs flash | >= 80% of copy (graph, read) | check |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for r in decode_rows:
-        cells = [_f(r[f"{how}_{what}"], fmt, unit) for how in ("do_bench", "graph_read", "graph_write")
+        cells = [(_f if how == "do_bench" else graph_cell)(r[f"{how}_{what}"], fmt, unit)
+                 for how in ("do_bench", "graph_read", "graph_write")
                  for what, fmt, unit in (("us", ",.1f", " us"), ("of_copy", ".1%", ""))]  # fmt: skip
-        cells += [_f(r[f"{name}_graph_read_us"], ",.1f", " us") for name in PEERS]
-        cells += [_f(r[f"vs_{name}"], ".2f", "x") for name in PEERS]
+        cells += [graph_cell(r[f"{name}_graph_read_us"], ",.1f", " us") for name in PEERS]
+        cells += [graph_cell(r[f"vs_{name}"], ".2f", "x") for name in PEERS]
         print(f"| {r['case']} | {r['block_size']} | {' | '.join(cells)} | {r['copy_verdict']} | {r['check']} |")
-    print(
-        "\nvs: our speed as a fraction of the peer's (its time over ours); decode compares graph replays (read flush)."
-    )
+    print("\nvs: our speed as a fraction of the peer's (its time over ours). Prefill: vs compares do_bench times "
+          "(host launch included; the verdicts judge these), graph vs compares graph replays (the kernels alone); "
+          "decode compares graph replays (read flush).")  # fmt: skip
     print("How the peers ran (the SDPA formulation, or why not), and errors:")
     notes: dict[str, str] = {}
     for kind, rows in (("prefill", prefill_rows), ("decode", decode_rows)):
         for r in rows:
             for name in PEERS:
                 notes.setdefault(f"{kind} {r['case']}, {name}", r[f"{name}_note"])
+            if r.get("graph_error"):
+                notes[f"{kind} {r['case']}, ours on {r['block_size']}-token blocks, graph"] = (
+                    "graph timing failed: " + r["graph_error"]
+                )
             if r.get("error"):
                 notes[f"{kind} {r['case']}, ours on {r['block_size']}-token blocks"] = "ERROR " + r["error"]
             elif r["check"] != "ok":
@@ -729,7 +767,7 @@ def shipped(smoke: bool, isolate: bool, json_path: str | None) -> int:
         if json_path:  # after every case: a run cut short keeps what it measured
             with open(json_path, "w") as f:
                 json.dump({**header, "prefill": prefill_rows, "decode": decode_rows, "cases": results}, f, indent=1)
-    print_tables(prefill_rows, decode_rows, copy_gbs)
+    print_tables(prefill_rows, decode_rows, copy_gbs, graphs=not smoke)
     print(f"\n{len(cases)} cases in {time.perf_counter() - began:.0f} s")
     # a peer that refuses a shape is a finding (its row says n/a and why); our kernel failing or wrong is not
     return 1 if any(r["check"] != "ok" for r in prefill_rows + decode_rows) else 0
