@@ -316,7 +316,7 @@ def test_the_decode_step_is_captured_and_its_replay_timed_where_the_platform_cap
 
 def test_a_platform_that_claims_graph_capture_but_serves_none_is_reported_not_raised():
     from vllm_port.errors import PluginError
-    from vllm_port.profile.collect import _graph_capture
+    from vllm_port.profile.timing import _graph_capture
 
     def refuse():
         raise PluginError("platform 'fake' says graph_capture=True but no plugin answered")

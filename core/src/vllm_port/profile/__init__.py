@@ -51,12 +51,18 @@ __all__ = [
     "render_comparison",
 ]
 
-#: Names served by ``collect``, which loads the flat tracer and the profiler: imported on first use,
-#: so ``vllm-port``'s argument parsing (which reads ``profile.command``) stays fast.
-_LAZY = {"collective_name", "identity", "importer_of", "load_profile_model", "profile_model"}
+#: Names served by the modules that load torch, the flat tracer and the profiler (name: module): imported
+#: on first use, so ``vllm-port``'s argument parsing (which reads ``profile.command``) stays fast.
+_LAZY = {
+    "collective_name": ".steps",
+    "identity": ".model",
+    "importer_of": ".model",
+    "load_profile_model": ".model",
+    "profile_model": ".collect",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(".collect", __name__), name)
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

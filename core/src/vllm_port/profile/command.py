@@ -112,8 +112,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..data import bundled_model_dir
     from ..runtime import load
-    from .collect import identity, load_profile_model, profile_model  # the tracer and the profiler: only to profile
+    from .collect import profile_model  # the tracer and the profiler: only to profile
     from .compare import check_comparable, compare, load_baseline
+    from .model import identity, load_profile_model
     from .render import render, render_comparison
 
     baseline = load_baseline(args.baseline) if args.baseline else None  # refuse a bad file before any work
