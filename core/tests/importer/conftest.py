@@ -1,5 +1,5 @@
-"""Importer fixtures: tiny random ``transformers`` models of each family (``core/tests/models/tiny_models.py``)
-and one CPU runtime for the session."""
+"""Importer fixtures: tiny random ``transformers`` models of each family (``core/tests/models/tiny_models.py``),
+the paged-cache harness of the flat tests (``core/tests/flat/paged_harness.py``) and one CPU runtime for the session."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "flat"))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import cpu_runtime_fixtures

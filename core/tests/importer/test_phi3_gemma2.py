@@ -10,6 +10,7 @@ and the refusals.
 from __future__ import annotations
 
 import json
+import operator
 from collections import Counter
 
 import pytest
@@ -19,7 +20,7 @@ from tiny_models import build_tiny_model, save_tiny_model
 from vllm_port import LLM, SamplingParams
 from vllm_port.cli import main
 from vllm_port.importer import ImporterError, import_model
-from vllm_port.importer._contract import contract_rotary
+from vllm_port.importer._contract import contract_rotary, contract_rotary_rows
 
 
 def per_layer(report) -> Counter:
@@ -43,10 +44,16 @@ def test_phi3_fused_projections_are_recognised_by_what_the_graph_computes(cpu_ru
     assert not any(n.startswith("layers.0: fused") for n in report.to_json()["notes"])  # nothing to fuse
     # the residual dropouts (eval) and the concatenation with the empty part past the rotary are gone
     assert Counter(n["op"] for n in report.native) == {"aten.add.Tensor": 4}
-    # q and k are slices of one qkv projection, disjoint from v: rotated in place, no copy
+    # q and k are slices of one qkv projection, disjoint from v: rotated in place, no copy, on the
+    # projection's rows (the slices became pieces of one split, so CUDA's rotary/cache fusion sees them)
     for layer in model.layers:
-        (rotary,) = [n for n in layer.graph.nodes if n.target is contract_rotary]
-        assert rotary.args[-2:] == (False, False)
+        assert not [n for n in layer.graph.nodes if n.target is contract_rotary]
+        (rotary,) = [n for n in layer.graph.nodes if n.target is contract_rotary_rows]
+        query_rows, key_rows = rotary.args[2:4]
+        assert query_rows.target is key_rows.target is operator.getitem
+        assert query_rows.args[0] is key_rows.args[0] and (query_rows.args[1], key_rows.args[1]) == (0, 1)
+        split = query_rows.args[0]
+        assert split.args[1:] == ([192, 96, 96], -1)  # q: 2 heads of 96, k and v: 1 head each
     assert (model.config.num_heads, model.config.num_kv_heads, model.config.head_size) == (2, 1, 96)
 
 

@@ -12,6 +12,11 @@ kernel output it may overwrite, never a view, so on that graph it never fired.
   ``to_rows``/``from_rows`` views around it;
 - an ``add`` of two operands of one shape (no broadcast, no promotion) whose rows are known is done
   on the rows: an elementwise op over two same-shape tensors commutes with viewing both alike;
+- slices of the last dimension of a node whose rows are known, none overlapping (Phi-3 slices q, k
+  and v out of its stored ``qkv_proj``), are the pieces of one split of the rows: the same views of
+  the same elements, and the rotary's query and key are then pieces of the projection, as in a core
+  model, which CUDA's rotary/cache-write fusion needs (it follows the key's views back to the rotary's
+  key: a ``slice`` it follows on to the projection, a split's piece it stops at);
 - a node whose rows are known is never flattened again: ``to_rows(from_rows(r, like))`` is ``r``;
 - the piece's hidden input and output are rows (``ImportedModel`` passes rows between pieces).
 
@@ -22,6 +27,7 @@ through the 3-D layout go.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -37,7 +43,7 @@ from ._contract import (
     from_rows,
     to_rows,
 )
-from ._graph import is_call, traced_value
+from ._graph import is_call, slice_range, traced_value
 
 __all__ = ["carry_rows"]
 
@@ -74,6 +80,7 @@ def carry_rows(graph: fx.Graph, hidden: fx.Node | None = None, rows_output: bool
     :param rows_output: the piece returns rows ``[tokens, hidden]`` instead of ``[1, tokens, hidden]``.
     """
     rows: dict[fx.Node, fx.Node] = {}  # a 3-D node -> the node holding its rows
+    sliced: set[fx.Node] = set()  # slices already replaced by pieces of a split (erased)
     batched = None
 
     def rows_of(node: fx.Node) -> fx.Node:
@@ -122,6 +129,8 @@ def carry_rows(graph: fx.Graph, hidden: fx.Node | None = None, rows_output: bool
                 user.replace_input_with(node, back)
         elif is_call(node, A.split_with_sizes.default) and node.args[0] in rows:
             _split_rows(graph, node, rows, view_back)
+        elif is_call(node, A.slice.Tensor) and node not in sliced and node.args[0] in rows:
+            sliced |= _slices_as_split(graph, node.args[0], rows, view_back)
         elif is_call(node, contract_rotary):
             _rotary_on_rows(graph, node, rows)
         elif is_call(node, A.add.Tensor) and len(node.args) == 2:
@@ -163,8 +172,58 @@ def _split_rows(graph: fx.Graph, split: fx.Node, rows: dict[fx.Node, fx.Node], v
     graph.erase_node(split)
 
 
+def _slices_as_split(graph: fx.Graph, x: fx.Node, rows: dict[fx.Node, fx.Node], view_back: Any) -> set[fx.Node]:
+    """The unit-step slices of ``x``'s last dimension, when no two overlap, become pieces of one split of its rows.
+
+    ``x[..., a:b]`` and piece ``[a, b)`` of ``split_with_sizes(rows, sizes, -1)`` are views of the same
+    elements (a gap between slices becomes a piece nothing reads). Returns the slices replaced.
+    """
+    val = traced_value(x)
+    if not isinstance(val, torch.Tensor) or not isinstance(width := val.shape[-1], int):
+        return set()
+    if val.dim() != 3 or str(val.shape[0]) != "1":
+        return set()  # rows of ``[1, T, d]`` are a view of it, whatever its strides: a write to a piece is one to x
+    spans = sorted(
+        (
+            (span[1], span[2], user)
+            for user in x.users
+            if (span := slice_range(user)) is not None and span[0] == val.dim() - 1 and span[1] <= span[2]
+        ),
+        key=lambda s: s[:2],
+    )
+    if not spans or any(prev[1] > nxt[0] for prev, nxt in itertools.pairwise(spans)):
+        return set()  # overlapping slices share elements: no split gives both
+    sizes: list[int] = []
+    piece_of: dict[fx.Node, int] = {}
+    cursor = 0
+    for start, stop, user in spans:
+        if start > cursor:
+            sizes.append(start - cursor)
+        piece_of[user] = len(sizes)
+        sizes.append(stop - start)
+        cursor = stop
+    if cursor < width:
+        sizes.append(width - cursor)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_before(min(piece_of, key=order.__getitem__)):
+        split_rows = graph.call_function(A.split_with_sizes.default, (rows[x], sizes, -1))
+    for piece, index in piece_of.items():
+        with graph.inserting_after(split_rows):
+            piece_rows = graph.call_function(operator.getitem, (split_rows, index))
+        piece_rows.meta["val"] = _rows_value(traced_value(piece))
+        piece.replace_all_uses_with(view_back(piece_rows, x, traced_value(piece)))
+        graph.erase_node(piece)
+    return set(piece_of)
+
+
 def _heads_of_rows(x: Any, rows: dict[fx.Node, fx.Node]) -> fx.Node | None:
-    """The rows ``[tokens, heads * d]`` of ``x`` when ``x`` is ``g.view(1, tokens, heads, d).transpose(1, 2)``."""
+    """The rows ``[tokens, heads * d]`` of ``x`` when ``x`` is ``g.view(1, tokens, heads, d).transpose(1, 2)``.
+
+    ``alias`` nodes on the way are looked through: an alias is the same view of the same elements
+    (Phi-3's ``q[..., :rotary_dim]`` over the whole head traces as one).
+    """
+    while is_call(x, A.alias.default):
+        x = x.args[0]
     if not is_call(x, A.transpose.int) or tuple(x.args[1:]) not in ((1, 2), (2, 1)):
         return None
     view = x.args[0]
