@@ -18,8 +18,9 @@ Decode (:meth:`AttentionKernels.paged_attention`)
     and short sequences alike use every split.
 
 Prefill (:meth:`AttentionKernels.prefill_attention`)
-    Flash attention over a packed batch: grid ``(query blocks, sequences, query heads)``, the
-    heaviest (last) query blocks launched first. A program skips the key tiles that causality or the
+    Flash attention over a packed batch: one program per ``(query head, sequence, query block)``,
+    the heaviest (last) query blocks of every head and sequence launched before any lighter one
+    (longest job first: the lightest blocks fill the tail). A program skips the key tiles that causality or the
     sliding window hide entirely, runs the tiles every query row sees in full without any mask, and
     applies the causal/window mask only on the few tiles at the diagonal (and at the window's edge).
 
@@ -47,8 +48,9 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in base 2
 # The target's ``decode_programs_per_sm`` says how many programs per SM to aim at (a batch already
 # giving half as many is not split) and ``decode_min_tiles_per_split`` how short a split may get.
 _MAX_SPLITS = 256
-# The merge sums this many splits' partial outputs per step: 32 x 128 float32 over 4 warps (32 registers a thread).
-_MERGE_CHUNK = 32
+# The merge sums up to this many splits' partial outputs per step: 128 x 128 float32 over 8 warps (64 registers a
+# thread). Up to 128 splits (every shape the shipped targets split) it is one load, not a chain of dependent steps.
+_MERGE_CHUNK = 128
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,11 +380,17 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     TMA: tl.constexpr,  # K/V tiles through the tensor memory accelerator (every tile inside one cache block)
+    HEADS_FIRST: tl.constexpr,  # grid (heads, sequences, query blocks) instead of (query blocks, sequences, heads)
 ):
     # Causal blocks late in a sequence do the most work: launch them first so the short ones fill the tail.
-    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    if HEADS_FIRST:  # every head's (and sequence's) heaviest block, then every head's next: the lightest come last
+        head = tl.program_id(0)
+        seq = tl.program_id(1)
+        q_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:  # one head's blocks heaviest to lightest, then the next head's
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -637,7 +645,7 @@ class AttentionKernels:
                 HEAD_PAD=head_pad,
                 SPLITS_PAD=splits_pad,
                 CHUNK=min(splits_pad, _MERGE_CHUNK),
-                num_warps=4,
+                num_warps=4 if splits_pad <= 32 else 8,
             )  # fmt: skip
         return out
 
@@ -672,7 +680,9 @@ class AttentionKernels:
             return out
         head_pad = triton.next_power_of_2(head_size)
         block_m, block_n, stages = _tiles(self.target, head_pad, query.element_size())
-        grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+        q_blocks = triton.cdiv(max_query_len, block_m)
+        heads_first = self.target.prefill_heads_first and q_blocks < 65536  # a grid's z extent
+        grid = (num_heads, num_seqs, q_blocks) if heads_first else (q_blocks, num_seqs, num_heads)
         descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.prefill_tma else None
         _prefill_kernel[grid](
             out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -694,6 +704,7 @@ class AttentionKernels:
             DOT_PRECISION=_dot_precision(query.dtype),
             DOT_FP32=_dot_fp32(query),
             TMA=descriptors is not None,
+            HEADS_FIRST=heads_first,
             num_warps=self.target.attn_warps,
             num_stages=stages,
         )  # fmt: skip

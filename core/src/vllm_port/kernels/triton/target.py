@@ -56,6 +56,8 @@ class TritonTarget:
             cache block (as ``prefill_tma``). Needs the tensor memory accelerator (sm_90+).
         prefill_tma: prefill loads K/V tiles with TMA descriptors where every key tile lies inside one
             cache block (block size a multiple of ``attn_block_n``); otherwise it gathers rows. Needs sm_90+.
+        prefill_heads_first: prefill launches every head's heaviest query block before any head's lighter ones
+            (longest job first); False launches one head's blocks, heaviest to lightest, then the next head's.
         linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
             kernel serves; more go to the vendor BLAS (``F.linear``). 0 declines ``linear`` at bind time.
         linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
@@ -78,6 +80,7 @@ class TritonTarget:
     decode_min_tiles_per_split: int = 4
     decode_tma: bool = False
     prefill_tma: bool = False
+    prefill_heads_first: bool = True
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)

@@ -1,0 +1,254 @@
+"""Probe the remaining attention misses of issue 17 on one H200, in one run of about 3 minutes.
+
+    python3 dev/probe_hopper.py [--json FILE] [--sections launch,prefill,decode]
+
+- ``launch``: where the host's time goes when prefill and decode are launched eagerly (the engine launches
+  prefill so): microseconds per call with the device never waited for, split into the op's input checks,
+  the TMA descriptors and the rest (Triton's launcher), and a ``cProfile`` of the calls.
+- ``prefill``: one causal sequence of 1k-16k tokens on 128-token blocks (TMA): the shipped launch order
+  (every head's heaviest query block first) beside the earlier one (one head at a time) and a few tile
+  shapes that let two programs share an SM (a natural overlap of one program's softmax with the other's
+  MMAs), each by ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by
+  reading, the flush subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
+- ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the number of key splits and the decode tiles swept by
+  graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes.
+
+Every variant's output is compared with torch's math SDPA in float32 on the same data before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tune_attention import HEAD, HEADS, KV_HEADS, decode, graph_cold_us, prefill
+
+from vllm_port.bench._timing import copy_bandwidth_gbs
+from vllm_port.kernels.triton import attention as attention_module
+from vllm_port.kernels.triton.attention import AttentionKernels
+from vllm_port.ops.attention import check_prefill_attention
+from vllm_port_cuda.ops import target_for, visible_capabilities
+
+TARGET = target_for(visible_capabilities())
+ROWS: list[dict] = []
+
+
+def row(**fields) -> None:
+    ROWS.append(fields)
+    print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()), flush=True)
+
+
+def do_bench_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+
+
+def reference_prefill(args) -> torch.Tensor:
+    """Math SDPA in float32 on the first sequence's contiguous K/V (one sequence per case here)."""
+    q, kc, vc, tables, _cu, lens, _n, scale = args
+    length = int(lens[0])
+    blocks = tables[0, : triton.cdiv(length, kc.shape[1])].long()
+    k = kc[blocks].flatten(0, 1)[:length].float().repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+    v = vc[blocks].flatten(0, 1)[:length].float().repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, is_causal=True, scale=scale).transpose(
+            0, 1
+        )
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    return bool((out.float() - ref).abs().max() < 2e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def probe_launch() -> None:
+    print("== launch: host microseconds per eager call (no device wait)", flush=True)
+    cases = {
+        "prefill 1k block128 (TMA)": (prefill(1024, 128, "cuda")[0], "prefill_attention"),
+        "prefill 1k block16 (gather)": (prefill(1024, 16, "cuda")[0], "prefill_attention"),
+        "decode 1x32k block128 (TMA)": (decode(1, 32768, "cuda", 128)[0], "paged_attention"),
+        "decode 1x32k block16 (gather)": (decode(1, 32768, "cuda", 16)[0], "paged_attention"),
+    }
+    kernels = AttentionKernels(TARGET)
+    for label, (args, op) in cases.items():
+        fn = getattr(kernels, op)
+        for _ in range(10):
+            fn(*args)
+        torch.cuda.synchronize()
+        calls = 200
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        host_us = (time.perf_counter() - begin) / calls * 1e6
+        torch.cuda.synchronize()
+        parts = {}
+        if op == "prefill_attention":
+            begin = time.perf_counter()
+            for _ in range(calls):
+                check_prefill_attention(*args)
+            parts["checks_us"] = (time.perf_counter() - begin) / calls * 1e6
+        begin = time.perf_counter()
+        for _ in range(calls):
+            attention_module._kv_descriptors(args[1], args[2], 64 if op == "paged_attention" else 128)
+        parts["descriptors_us"] = (time.perf_counter() - begin) / calls * 1e6
+        row(section="launch", case=label, host_us=host_us, **parts)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(100):
+            fn(*args)
+        profile.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+        print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+
+PREFILL_VARIANTS = {
+    "shipped": {},
+    "one head at a time": {"prefill_heads_first": False},
+    "m128 n128 w8 s2": {"attn_stages": 2},
+    "m128 n64 w4 s2": {"attn_block_n": 64, "attn_warps": 4, "attn_stages": 2},
+    "m128 n64 w8 s2": {"attn_block_n": 64, "attn_stages": 2},
+    "m64 n128 w4 s2": {"attn_block_m": 64, "attn_warps": 4, "attn_stages": 2},
+}
+
+
+def sdpa_prefill(q: torch.Tensor, backend: SDPBackend):
+    qs = q.transpose(0, 1)[None].contiguous()
+    ks = torch.randn(1, KV_HEADS, q.shape[0], HEAD, device="cuda", dtype=q.dtype)
+    vs = torch.randn_like(ks)
+    ks, vs = ks.repeat_interleave(HEADS // KV_HEADS, 1), vs.repeat_interleave(HEADS // KV_HEADS, 1)
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    return run
+
+
+def probe_prefill(lengths: list[int]) -> None:
+    print("== prefill: one causal sequence, 128-token blocks, TFLOP/s of the causal half", flush=True)
+    for tokens in lengths:
+        args, flops = prefill(tokens, 128, "cuda")
+        ref = reference_prefill(args) if tokens <= 8192 else None
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            fn = sdpa_prefill(args[0], backend)
+            cold, graph = do_bench_us(fn), graph_cold_us(fn)
+            row(
+                section="prefill", tokens=tokens, variant=name, cold_us=cold, graph_us=graph, tflops=flops / graph / 1e6
+            )
+        for name, fields in PREFILL_VARIANTS.items():
+            kernels = AttentionKernels(dataclasses.replace(TARGET, **fields))
+            fn = lambda k=kernels, a=args: k.prefill_attention(*a)  # noqa: E731
+            try:
+                out = fn()
+                ok = True if ref is None else close(out, ref)
+                if not ok:
+                    row(section="prefill", tokens=tokens, variant=name, error="wrong values")
+                    continue
+                cold, graph = do_bench_us(fn), graph_cold_us(fn)
+            except Exception as e:  # a variant that does not compile is reported, not fatal
+                row(section="prefill", tokens=tokens, variant=name, error=f"{type(e).__name__}: {str(e)[:120]}")
+                continue
+            row(section="prefill", tokens=tokens, variant=name, cold_us=cold, graph_us=graph, tflops=flops / graph / 1e6,
+                cold_tflops=flops / cold / 1e6)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+
+DECODE_TILES = {"n64 w4 s2 (shipped)": {}, "n64 w4 s3": {"decode_stages": 3}, "n64 w4 s4": {"decode_stages": 4},
+                "n128 w4 s2": {"decode_block_n": 128}, "n128 w8 s2": {"decode_block_n": 128, "decode_warps": 8}}  # fmt: skip
+SPLITS = (None, 24, 33, 48, 64, 96, 128, 132)
+
+
+def probe_decode(copy_gbs: float) -> None:
+    print(f"== decode: graph replay after a read flush, of copy {copy_gbs:.0f} GB/s", flush=True)
+    for seqs, context in ((1, 32768), (8, 8192)):
+        args, nbytes = decode(seqs, context, "cuda", 128)
+        q = args[0][:, :, None]  # [seqs, heads, 1, head]
+        kc, vc, tables = args[1], args[2], args[3]
+        blocks = tables.long()
+        k = kc[blocks].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # [seqs, kv_heads, context, head]
+        v = vc[blocks].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True, scale=args[5])[
+                :, :, 0
+            ]
+
+        def cudnn(q=q, k=k, v=v, scale=args[5]):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale)
+
+        us = graph_cold_us(cudnn)
+        row(
+            section="decode",
+            case=f"{seqs}x{context}",
+            variant="cudnn",
+            graph_us=us,
+            of_copy=nbytes / us / 1e3 / copy_gbs,
+        )
+        for name, fields in DECODE_TILES.items():
+            kernels = AttentionKernels(dataclasses.replace(TARGET, **fields))
+            for splits in SPLITS:
+                fn = lambda k=kernels, s=splits, a=args: k._decode(*a, 0, 0.0, num_splits=s)  # noqa: E731
+                try:
+                    if not close(fn(), ref):
+                        row(
+                            section="decode",
+                            case=f"{seqs}x{context}",
+                            variant=name,
+                            splits=splits,
+                            error="wrong values",
+                        )
+                        continue
+                    us = graph_cold_us(fn)
+                except Exception as e:
+                    row(section="decode", case=f"{seqs}x{context}", variant=name, splits=splits, error=str(e)[:120])
+                    continue
+                row(section="decode", case=f"{seqs}x{context}", variant=name, splits=splits or "auto", graph_us=us,
+                    of_copy=nbytes / us / 1e3 / copy_gbs)  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--sections", default="launch,prefill,decode")
+    parser.add_argument("--lengths", default="1024,4096,8192,16384")
+    opts = parser.parse_args()
+    sections = set(opts.sections.split(","))
+    print(
+        f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, target {TARGET.name}"
+    )
+    copy_gbs = copy_bandwidth_gbs(torch.device("cuda"), 1 << 30)
+    try:
+        if "launch" in sections:
+            probe_launch()
+        if "prefill" in sections:
+            probe_prefill([int(n) for n in opts.lengths.split(",")])
+        if "decode" in sections:
+            probe_decode(copy_gbs)
+    finally:
+        if opts.json:
+            Path(opts.json).write_text(json.dumps({"copy_gbs": copy_gbs, "rows": ROWS}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
