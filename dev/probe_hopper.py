@@ -70,7 +70,7 @@ def reference_prefill(args) -> torch.Tensor:
 
 
 def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
-    return bool((out.float() - ref).abs().max() < 2e-2)
+    return bool(((out.float() - ref).abs() <= 2e-2 + 2e-2 * ref.abs()).all())  # bf16 output and probabilities
 
 
 # ------------------------------------------------------------------------------------------------
