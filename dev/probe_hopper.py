@@ -5,13 +5,13 @@
 - ``launch``: where the host's time goes when prefill and decode are launched eagerly (the engine launches
   prefill so): microseconds per call with the device never waited for, split into the op's input checks,
   the TMA descriptors and the rest (Triton's launcher), and a ``cProfile`` of the calls.
-- ``prefill``: one causal sequence of 1k-16k tokens on 128-token blocks (TMA): the shipped launch order
-  (every head's heaviest query block first) beside the earlier one (one head at a time) and a few tile
-  shapes that let two programs share an SM (a natural overlap of one program's softmax with the other's
-  MMAs), each by ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by
+- ``prefill``: one causal sequence of 1k-16k tokens on 128-token blocks (TMA): the three launch orders
+  (``TritonTarget.prefill_order``) with the shipped tiles and with tiles that let two programs share an SM
+  (a natural overlap of one program's softmax with the other's MMAs), each by ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by
   reading, the flush subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
-- ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the number of key splits and the decode tiles swept by
-  graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes.
+- ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the split rule's fewest tiles a split (4, 8) and a fixed
+  64 splits, by graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes. (The
+  first run swept 24-132 splits and four tile shapes: ``docs/results/h200/probe-hopper-h200-run1.txt``.)
 
 Every variant's output is compared with torch's math SDPA in float32 on the same data before it is timed.
 """
@@ -121,12 +121,12 @@ def probe_launch() -> None:
 # ------------------------------------------------------------------------------------------------
 
 PREFILL_VARIANTS = {
-    "shipped": {},
-    "one head at a time": {"prefill_heads_first": False},
-    "m128 n128 w8 s2": {"attn_stages": 2},
-    "m128 n64 w4 s2": {"attn_block_n": 64, "attn_warps": 4, "attn_stages": 2},
-    "m128 n64 w8 s2": {"attn_block_n": 64, "attn_stages": 2},
-    "m64 n128 w4 s2": {"attn_block_m": 64, "attn_warps": 4, "attn_stages": 2},
+    f"{order} {label}": {"prefill_order": order, **tiles}
+    for label, tiles in (
+        ("m128 n128 w8 s3", {}),
+        ("m128 n64 w4 s2", {"attn_block_n": 64, "attn_warps": 4, "attn_stages": 2}),
+    )
+    for order in ("kv_head", "head", "all_heads")
 }
 
 
@@ -173,9 +173,8 @@ def probe_prefill(lengths: list[int]) -> None:
 
 # ------------------------------------------------------------------------------------------------
 
-DECODE_TILES = {"n64 w4 s2 (shipped)": {}, "n64 w4 s3": {"decode_stages": 3}, "n64 w4 s4": {"decode_stages": 4},
-                "n128 w4 s2": {"decode_block_n": 128}, "n128 w8 s2": {"decode_block_n": 128, "decode_warps": 8}}  # fmt: skip
-SPLITS = (None, 24, 33, 48, 64, 96, 128, 132)
+DECODE_TILES = {"shipped": {}, "min 8 tiles a split": {"decode_min_tiles_per_split": 8}}
+SPLITS = (None, 64)
 
 
 def probe_decode(copy_gbs: float) -> None:

@@ -235,12 +235,17 @@ def test_prefill_grid_larger_than_the_longest_query_and_strided_query():
     assert prefill_attention.check(kernels().prefill_attention, tuple(args), torch.bfloat16) is None
 
 
-@pytest.mark.parametrize("heads_first", [True, False])
-def test_prefill_launch_orders_agree(heads_first):
-    """Heaviest blocks of every head first, or one head at a time: the same blocks, the same answer."""
-    k = kernels(dataclasses.replace(NATIVE, prefill_heads_first=heads_first))
+@pytest.mark.parametrize("order", ["head", "kv_head", "all_heads"])
+def test_prefill_launch_orders_agree(order):
+    """However the heads interleave, every (head, sequence, query block) runs once: the same answer."""
+    k = kernels(dataclasses.replace(NATIVE, prefill_order=order))
     args = _prefill_case(torch.float32, [50, 3, 17], [45, 0, 9], 4, 2, window=30)
     assert prefill_attention.check(k.prefill_attention, args, torch.float32) is None
+
+
+def test_an_unknown_launch_order_is_named():
+    with pytest.raises(ValueError, match="prefill_order must be one of head, kv_head, all_heads, got 'fastest'"):
+        dataclasses.replace(NATIVE, prefill_order="fastest")
 
 
 def test_wide_tiles_on_the_interpreter():

@@ -19,8 +19,9 @@ Decode (:meth:`AttentionKernels.paged_attention`)
 
 Prefill (:meth:`AttentionKernels.prefill_attention`)
     Flash attention over a packed batch: one program per ``(query head, sequence, query block)``,
-    the heaviest (last) query blocks of every head and sequence launched before any lighter one
-    (longest job first: the lightest blocks fill the tail). A program skips the key tiles that causality or the
+    the heaviest (last) query blocks launched first so that the lightest fill the tail; the target's
+    ``prefill_order`` says how heads interleave (the query heads of one KV head side by side by
+    default, so the programs running at once share that head's keys in the L2). A program skips the key tiles that causality or the
     sliding window hide entirely, runs the tiles every query row sees in full without any mask, and
     applies the causal/window mask only on the few tiles at the diagonal (and at the window's edge).
 
@@ -38,7 +39,7 @@ import triton.language as tl
 
 from ...device_properties import compute_units
 from ...ops.attention import check_paged_attention, check_prefill_attention
-from .target import TritonTarget
+from .target import PREFILL_ORDERS, TritonTarget
 
 __all__ = ["AttentionKernels"]
 
@@ -380,17 +381,19 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     TMA: tl.constexpr,  # K/V tiles through the tensor memory accelerator (every tile inside one cache block)
-    HEADS_FIRST: tl.constexpr,  # grid (heads, sequences, query blocks) instead of (query blocks, sequences, heads)
+    ORDER: tl.constexpr,  # launch order: index in PREFILL_ORDERS, matching the grid of _prefill_grid
 ):
     # Causal blocks late in a sequence do the most work: launch them first so the short ones fill the tail.
-    if HEADS_FIRST:  # every head's (and sequence's) heaviest block, then every head's next: the lightest come last
-        head = tl.program_id(0)
-        seq = tl.program_id(1)
-        q_block = tl.num_programs(2) - 1 - tl.program_id(2)
-    else:  # one head's blocks heaviest to lightest, then the next head's
+    seq = tl.program_id(1)
+    if ORDER == 0:  # "head": one query head's blocks heaviest to lightest, then the next head's
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-        seq = tl.program_id(1)
         head = tl.program_id(2)
+    elif ORDER == 1:  # "kv_head": the query heads of one KV head side by side, heaviest blocks first
+        q_block = tl.num_programs(0) // GROUP - 1 - tl.program_id(0) // GROUP
+        head = tl.program_id(2) * GROUP + tl.program_id(0) % GROUP
+    else:  # "all_heads": every head's heaviest block, then every head's next
+        head = tl.program_id(0)
+        q_block = tl.num_programs(2) - 1 - tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -487,6 +490,15 @@ def _decode_splits(num_programs: int, max_tiles: int, num_sms: int, per_sm: int 
         return 1
     wanted = triton.cdiv(per_sm * num_sms, num_programs)
     return max(1, min(wanted, triton.cdiv(max_tiles, min_tiles), _MAX_SPLITS))
+
+
+def _prefill_grid(order: int, q_blocks: int, num_seqs: int, num_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """The prefill grid of launch order ``order`` (launched x fastest; y and z extents are at most 65535)."""
+    if order == 0:
+        return q_blocks, num_seqs, num_heads
+    if order == 1:
+        return q_blocks * (num_heads // num_kv_heads), num_seqs, num_kv_heads
+    return num_heads, num_seqs, q_blocks
 
 
 def _tiles(target: TritonTarget, head_pad: int, elem_size: int, decode: bool = False) -> tuple[int, int, int]:
@@ -681,8 +693,10 @@ class AttentionKernels:
         head_pad = triton.next_power_of_2(head_size)
         block_m, block_n, stages = _tiles(self.target, head_pad, query.element_size())
         q_blocks = triton.cdiv(max_query_len, block_m)
-        heads_first = self.target.prefill_heads_first and q_blocks < 65536  # a grid's z extent
-        grid = (num_heads, num_seqs, q_blocks) if heads_first else (q_blocks, num_seqs, num_heads)
+        order = PREFILL_ORDERS.index(self.target.prefill_order)
+        if order == 2 and q_blocks > 65535:  # past the grid's z extent (millions of tokens): "kv_head"
+            order = 1
+        grid = _prefill_grid(order, q_blocks, num_seqs, num_heads, num_kv_heads)
         descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.prefill_tma else None
         _prefill_kernel[grid](
             out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -704,7 +718,7 @@ class AttentionKernels:
             DOT_PRECISION=_dot_precision(query.dtype),
             DOT_FP32=_dot_fp32(query),
             TMA=descriptors is not None,
-            HEADS_FIRST=heads_first,
+            ORDER=order,
             num_warps=self.target.attn_warps,
             num_stages=stages,
         )  # fmt: skip

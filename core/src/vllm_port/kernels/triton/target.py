@@ -12,6 +12,10 @@ from dataclasses import dataclass
 __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT", "INTERPRETER", "ROCM", "XPU", "LinearTiles", "TritonTarget"]
 
 
+#: The launch orders prefill attention knows (``TritonTarget.prefill_order``).
+PREFILL_ORDERS = ("head", "kv_head", "all_heads")
+
+
 @dataclass(frozen=True)
 class LinearTiles:
     """Launch configuration of one path of the skinny ``linear`` kernel (``linear.py``).
@@ -56,8 +60,11 @@ class TritonTarget:
             cache block (as ``prefill_tma``). Needs the tensor memory accelerator (sm_90+).
         prefill_tma: prefill loads K/V tiles with TMA descriptors where every key tile lies inside one
             cache block (block size a multiple of ``attn_block_n``); otherwise it gathers rows. Needs sm_90+.
-        prefill_heads_first: prefill launches every head's heaviest query block before any head's lighter ones
-            (longest job first); False launches one head's blocks, heaviest to lightest, then the next head's.
+        prefill_order: how prefill's programs are launched, heaviest query blocks first in each case:
+            ``"kv_head"`` the query heads sharing one KV head side by side, block by block, then the next KV
+            head (the programs running at once read one head's keys: L2 hits); ``"head"`` one query head's
+            blocks, then the next head's; ``"all_heads"`` every head's heaviest block before any lighter one
+            (the best tail, but at long context the keys of every head compete for the L2).
         linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
             kernel serves; more go to the vendor BLAS (``F.linear``). 0 declines ``linear`` at bind time.
         linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
@@ -80,10 +87,17 @@ class TritonTarget:
     decode_min_tiles_per_split: int = 4
     decode_tma: bool = False
     prefill_tma: bool = False
-    prefill_heads_first: bool = True
+    prefill_order: str = "kv_head"
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
+
+    def __post_init__(self) -> None:
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"TritonTarget {self.name!r}: prefill_order must be one of {', '.join(PREFILL_ORDERS)}, "
+                f"got {self.prefill_order!r}"
+            )
 
 
 #: NVIDIA Hopper and newer data-centre parts (sm_90, sm_100: 227 KiB of shared memory a block, TMA); the CUDA plugin picks it by compute capability (``vllm_port_cuda.ops.target_for``).
