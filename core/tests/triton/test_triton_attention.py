@@ -235,7 +235,7 @@ def test_prefill_grid_larger_than_the_longest_query_and_strided_query():
     assert prefill_attention.check(kernels().prefill_attention, tuple(args), torch.bfloat16) is None
 
 
-@pytest.mark.parametrize("order", ["head", "kv_head", "all_heads"])
+@pytest.mark.parametrize("order", ["head", "all_heads"])
 def test_prefill_launch_orders_agree(order):
     """However the heads interleave, every (head, sequence, query block) runs once: the same answer."""
     k = kernels(dataclasses.replace(NATIVE, prefill_order=order))
@@ -244,7 +244,7 @@ def test_prefill_launch_orders_agree(order):
 
 
 def test_an_unknown_launch_order_is_named():
-    with pytest.raises(ValueError, match="prefill_order must be one of head, kv_head, all_heads, got 'fastest'"):
+    with pytest.raises(ValueError, match="prefill_order must be one of head, all_heads, got 'fastest'"):
         dataclasses.replace(NATIVE, prefill_order="fastest")
 
 

@@ -39,8 +39,9 @@ SHARED_MEMORY_KIB = {
     (12, 1): 99,
 }
 
-#: The least shared memory each target's largest attention tiles need (bf16, head 128), in KiB.
-_HOPPER_NEEDS_KIB = 224
+#: The least shared memory each target's largest attention tiles need (bf16, head 128), in KiB. The Hopper
+#: target's prefill is tuned for two programs of 96 KiB sharing a multiprocessor.
+_HOPPER_NEEDS_KIB = 192
 _AMPERE_NEEDS_KIB = 128
 _COMPACT_NEEDS_KIB = 80
 
@@ -57,7 +58,8 @@ def shared_memory_kib(capability: tuple[int, int]) -> int:
 def target_for(capabilities: Sequence[tuple[int, int]]) -> TritonTarget:
     """The Triton target whose tiles fit every device of ``capabilities`` (compute capabilities ``(major, minor)``).
 
-    - sm_90 and newer with Hopper's shared memory: :data:`~vllm_port.kernels.triton.CUDA` (128 x 128 tiles, TMA);
+    - sm_90 and newer with Hopper's shared memory: :data:`~vllm_port.kernels.triton.CUDA` (128 x 64 tiles, two
+      programs a multiprocessor, TMA);
     - Ampere data-centre parts (sm_80, sm_87): ``CUDA_AMPERE`` (128 x 64 tiles, row gathers);
     - the rest (consumer Ampere, Ada, consumer Blackwell, Turing): ``CUDA_COMPACT`` (64 x 64 tiles), one stage
       deep where two do not fit.

@@ -20,8 +20,8 @@ Decode (:meth:`AttentionKernels.paged_attention`)
 Prefill (:meth:`AttentionKernels.prefill_attention`)
     Flash attention over a packed batch: one program per ``(query head, sequence, query block)``,
     the heaviest (last) query blocks launched first so that the lightest fill the tail; the target's
-    ``prefill_order`` says how heads interleave (the query heads of one KV head side by side by
-    default, so the programs running at once share that head's keys in the L2). A program skips the key tiles that causality or the
+    ``prefill_order`` says whether one head's blocks go before the next head's, or every head's
+    heaviest block before any lighter one. A program skips the key tiles that causality or the
     sliding window hide entirely, runs the tiles every query row sees in full without any mask, and
     applies the causal/window mask only on the few tiles at the diagonal (and at the window's edge).
 
@@ -388,9 +388,6 @@ def _prefill_kernel(
     if ORDER == 0:  # "head": one query head's blocks heaviest to lightest, then the next head's
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)
         head = tl.program_id(2)
-    elif ORDER == 1:  # "kv_head": the query heads of one KV head side by side, heaviest blocks first
-        q_block = tl.num_programs(0) // GROUP - 1 - tl.program_id(0) // GROUP
-        head = tl.program_id(2) * GROUP + tl.program_id(0) % GROUP
     else:  # "all_heads": every head's heaviest block, then every head's next
         head = tl.program_id(0)
         q_block = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -492,13 +489,9 @@ def _decode_splits(num_programs: int, max_tiles: int, num_sms: int, per_sm: int 
     return max(1, min(wanted, triton.cdiv(max_tiles, min_tiles), _MAX_SPLITS))
 
 
-def _prefill_grid(order: int, q_blocks: int, num_seqs: int, num_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
+def _prefill_grid(order: int, q_blocks: int, num_seqs: int, num_heads: int) -> tuple[int, int, int]:
     """The prefill grid of launch order ``order`` (launched x fastest; y and z extents are at most 65535)."""
-    if order == 0:
-        return q_blocks, num_seqs, num_heads
-    if order == 1:
-        return q_blocks * (num_heads // num_kv_heads), num_seqs, num_kv_heads
-    return num_heads, num_seqs, q_blocks
+    return (q_blocks, num_seqs, num_heads) if order == 0 else (num_heads, num_seqs, q_blocks)
 
 
 def _tiles(target: TritonTarget, head_pad: int, elem_size: int, decode: bool = False) -> tuple[int, int, int]:
@@ -694,9 +687,9 @@ class AttentionKernels:
         block_m, block_n, stages = _tiles(self.target, head_pad, query.element_size())
         q_blocks = triton.cdiv(max_query_len, block_m)
         order = PREFILL_ORDERS.index(self.target.prefill_order)
-        if order == 2 and q_blocks > 65535:  # past the grid's z extent (millions of tokens): "kv_head"
-            order = 1
-        grid = _prefill_grid(order, q_blocks, num_seqs, num_heads, num_kv_heads)
+        if q_blocks > 65535:  # past the grid's z extent (millions of tokens): one head at a time
+            order = 0
+        grid = _prefill_grid(order, q_blocks, num_seqs, num_heads)
         descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.prefill_tma else None
         _prefill_kernel[grid](
             out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,

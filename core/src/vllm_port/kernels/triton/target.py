@@ -13,7 +13,7 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT", "INTERPRETER", "ROCM", "XPU", 
 
 
 #: The launch orders prefill attention knows (``TritonTarget.prefill_order``).
-PREFILL_ORDERS = ("head", "kv_head", "all_heads")
+PREFILL_ORDERS = ("head", "all_heads")
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,9 @@ class TritonTarget:
             cache block (as ``prefill_tma``). Needs the tensor memory accelerator (sm_90+).
         prefill_tma: prefill loads K/V tiles with TMA descriptors where every key tile lies inside one
             cache block (block size a multiple of ``attn_block_n``); otherwise it gathers rows. Needs sm_90+.
-        prefill_order: how prefill's programs are launched, heaviest query blocks first in each case:
-            ``"kv_head"`` the query heads sharing one KV head side by side, block by block, then the next KV
-            head (the programs running at once read one head's keys: L2 hits); ``"head"`` one query head's
-            blocks, then the next head's; ``"all_heads"`` every head's heaviest block before any lighter one
-            (the best tail, but at long context the keys of every head compete for the L2).
+        prefill_order: how prefill's programs are launched, heaviest query blocks first either way: ``"head"``
+            one query head's blocks, then the next head's; ``"all_heads"`` every head's heaviest block before
+            any head's lighter ones (the shortest tail; at long context, all heads' keys share the L2).
         linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
             kernel serves; more go to the vendor BLAS (``F.linear``). 0 declines ``linear`` at bind time.
         linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
@@ -87,7 +85,7 @@ class TritonTarget:
     decode_min_tiles_per_split: int = 4
     decode_tma: bool = False
     prefill_tma: bool = False
-    prefill_order: str = "kv_head"
+    prefill_order: str = "head"
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
@@ -107,25 +105,28 @@ class TritonTarget:
 #: and the reduction split only where fewer than 4 programs per multiprocessor would run.
 #: Until that measurement, ``linear`` stays with cuBLAS on CUDA too (``linear_max_rows=0``): a kernel
 #: binds by default only where it has been measured faster than the library it replaces.
-#: Attention (dev/tune_attention.py on an H200, docs/results/attention-h200.md): prefill takes 128 x 128
-#: tiles over 8 warps, 3 stages (Q 32 KiB + 3 x 64 KiB of K/V for bf16 x 128: 224 KiB), with TMA where a key
-#: tile lies inside one cache block (the platform's 128-token blocks: 463 TFLOP/s against 340 for gathered
-#: 16-token blocks); decode streams 64-key tiles over 4 warps, 2 stages deep, splits each sequence's keys until
-#: about 8 programs per SM run.
+#: Attention (dev/tune_attention.py and dev/probe_hopper.py on an H200, docs/results/attention-h200.md): prefill
+#: takes 128 x 64 tiles over 4 warps, 2 stages (Q 32 KiB + 2 x 32 KiB of K/V for bf16 x 128: two programs share
+#: an SM, one's softmax overlapping the other's MMAs), with TMA where a key tile lies inside one cache block (the
+#: platform's 128-token blocks), every head's heaviest query block launched first (8k tokens: 1,095 us against
+#: 1,173 for 128 x 128 tiles over 8 warps one head at a time); decode streams 64-key tiles over 4 warps, 2 stages
+#: deep, splits each sequence's keys until about 8 programs per SM run, each split at least 8 tiles (1 x 32k:
+#: 64 splits).
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
     attn_block_m=128,
-    attn_block_n=128,
-    attn_warps=8,
-    attn_stages=3,
+    attn_block_n=64,
+    attn_warps=4,
+    attn_stages=2,
     decode_block_n=64,
     decode_warps=4,
     decode_stages=2,
     decode_programs_per_sm=8,
-    decode_min_tiles_per_split=4,
+    decode_min_tiles_per_split=8,
     decode_tma=True,
     prefill_tma=True,
+    prefill_order="all_heads",
     linear_max_rows=0,
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
