@@ -5,12 +5,13 @@
 - ``launch``: where the host's time goes when prefill and decode are launched eagerly (the engine launches
   prefill so): microseconds per call with the device never waited for, split into the op's input checks,
   the TMA descriptors and the rest (Triton's launcher), and a ``cProfile`` of the calls.
-- ``prefill``: one causal sequence of 1k-16k tokens on 128-token blocks (TMA): the three launch orders
-  (``TritonTarget.prefill_order``) with the shipped tiles and with tiles that let two programs share an SM
-  (a natural overlap of one program's softmax with the other's MMAs), each by ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by
-  reading, the flush subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
-- ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the split rule's fewest tiles a split (4, 8) and a fixed
-  64 splits, by graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes. (The
+- ``prefill``: one causal sequence of 1k-16k tokens on 128-token blocks (TMA): both launch orders
+  (``TritonTarget.prefill_order``) with the 128 x 128 x 8-warp tiles and with the 128 x 64 x 4-warp tiles that
+  let two programs share an SM (a natural overlap of one program's softmax with the other's MMAs), each by
+  ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by reading, the flush
+  subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
+- ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the split rule's fewest tiles a split (8, shipped; 4) and
+  a fixed 64 splits, by graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes. (The
   first run swept 24-132 splits and four tile shapes: ``docs/results/h200/probe-hopper-h200-run1.txt``.)
 
 Every variant's output is compared with torch's math SDPA in float32 on the same data before it is timed.
@@ -85,6 +86,10 @@ def probe_launch() -> None:
         "decode 1x32k block16 (gather)": (decode(1, 32768, "cuda", 16)[0], "paged_attention"),
     }
     kernels = AttentionKernels(TARGET)
+    block_n = {  # the key tile each op's descriptors are built for, as its launcher chooses it
+        "prefill_attention": attention_module._tiles(TARGET, HEAD, 2)[1],
+        "paged_attention": attention_module._tiles(TARGET, HEAD, 2, decode=True)[1],
+    }
     for label, (args, op) in cases.items():
         fn = getattr(kernels, op)
         for _ in range(10):
@@ -104,7 +109,7 @@ def probe_launch() -> None:
             parts["checks_us"] = (time.perf_counter() - begin) / calls * 1e6
         begin = time.perf_counter()
         for _ in range(calls):
-            attention_module._kv_descriptors(args[1], args[2], 64 if op == "paged_attention" else 128)
+            attention_module._kv_descriptors(args[1], args[2], block_n[op])
         parts["descriptors_us"] = (time.perf_counter() - begin) / calls * 1e6
         row(section="launch", case=label, host_us=host_us, **parts)
         profile = cProfile.Profile()
@@ -126,7 +131,7 @@ PREFILL_VARIANTS = {
         ("m128 n128 w8 s3", {}),
         ("m128 n64 w4 s2", {"attn_block_n": 64, "attn_warps": 4, "attn_stages": 2}),
     )
-    for order in ("kv_head", "head", "all_heads")
+    for order in ("head", "all_heads")
 }
 
 
@@ -167,13 +172,13 @@ def probe_prefill(lengths: list[int]) -> None:
             except Exception as e:  # a variant that does not compile is reported, not fatal
                 row(section="prefill", tokens=tokens, variant=name, error=f"{type(e).__name__}: {str(e)[:120]}")
                 continue
-            row(section="prefill", tokens=tokens, variant=name, cold_us=cold, graph_us=graph, tflops=flops / graph / 1e6,
-                cold_tflops=flops / cold / 1e6)  # fmt: skip
+            tflops = {"tflops": flops / graph / 1e6, "cold_tflops": flops / cold / 1e6}
+            row(section="prefill", tokens=tokens, variant=name, cold_us=cold, graph_us=graph, **tflops)
 
 
 # ------------------------------------------------------------------------------------------------
 
-DECODE_TILES = {"shipped": {}, "min 8 tiles a split": {"decode_min_tiles_per_split": 8}}
+DECODE_TILES = {"shipped (8 tiles a split)": {}, "4 tiles a split": {"decode_min_tiles_per_split": 4}}
 SPLITS = (None, 64)
 
 

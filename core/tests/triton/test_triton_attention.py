@@ -117,6 +117,13 @@ def test_split_k_decode_merges_partials_exactly(dtype, splits):
         assert paged_attention.check(split_fn, args, dtype) is None, (window, cap)
 
 
+def test_merge_of_many_splits_in_one_chunk():
+    """33-128 splits: one step of the merge over 8 warps (fewer splits than a sequence's tiles, and more)."""
+    args = _decode_case(torch.float32, [5, 300, 1500], 4, 2, block_size=16, seed=5)
+    fn = lambda *a: kernels()._decode(*a, num_splits=100)  # noqa: E731
+    assert paged_attention.check(fn, args, torch.float32) is None
+
+
 def test_merge_of_more_splits_than_one_chunk():
     """Past ``_MERGE_CHUNK`` splits the merge sums partials chunk by chunk (a ragged last chunk, empty splits)."""
     from vllm_port.kernels.triton.attention import _MERGE_CHUNK

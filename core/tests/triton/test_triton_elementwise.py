@@ -232,6 +232,25 @@ def test_gated_activations_saturate_like_the_reference():
         assert op.check(kernel(op), (x, *extra), torch.float32) is None, (op.name, extra)
 
 
+def test_exact_gelu_within_a_few_ulps_of_float64_on_a_dense_grid():
+    """The erf GELU (Abramowitz-Stegun 7.1.26 erfc) against float64 torch: absolute error under 1e-6 everywhere."""
+    gate = torch.linspace(-20.0, 20.0, 100_000, dtype=torch.float64)
+    x = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)  # up = 1: the output is gelu(gate) itself
+    got = kernel(gelu_and_mul)(x.float().to(DEVICE)).double().cpu()[0]
+    want = torch.nn.functional.gelu(gate)
+    assert (got - want).abs().max() < 1e-6
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_exact_gelu_of_special_values_is_float64_torchs():
+    gate = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3e38, -3e38], dtype=torch.float64)
+    x = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)
+    got = kernel(gelu_and_mul)(x.float().to(DEVICE)).double().cpu()[0]
+    want = torch.nn.functional.gelu(gate)  # gelu(-inf) is NaN here (-inf * 0), as in float64 torch
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0, equal_nan=True)
+    assert torch.signbit(got[1]) == torch.signbit(want[1])  # -0.0 keeps its sign
+
+
 # ------------------------------------------------------------------------------------------------
 # Rotary embedding
 # ------------------------------------------------------------------------------------------------

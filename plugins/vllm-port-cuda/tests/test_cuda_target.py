@@ -1,7 +1,8 @@
 """The CUDA plugin picks the Triton target whose attention tiles fit the GPUs present.
 
-The Hopper target's TMA loads need sm_90, and its prefill is tuned for two programs of 96 KiB of shared
-memory on one multiprocessor: it must never be launched on an A100 (no TMA) or an RTX 5090 (99 KiB). The budget is computed from the kernels' own tile
+The Hopper target's TMA loads need sm_90, and its prefill is tuned for two programs of 96 KiB of
+shared memory on one multiprocessor: it must never be launched on an A100 (no TMA) or an RTX 5090
+(99 KiB). The budget is computed from the kernels' own tile
 choice (``_tiles``), so a retuned target that outgrows its parts fails here, not on a user's GPU.
 """
 

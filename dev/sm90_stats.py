@@ -1,0 +1,162 @@
+"""Compile the prefill attention kernel for sm_90 on a machine without a GPU, and say what the compiler made of it.
+
+    python3 dev/sm90_stats.py                       # the CUDA target's tiles and the tiles the H200 runs compared
+    python3 dev/sm90_stats.py --tiles 128,64,4,2    # one configuration: block_m, block_n, warps, stages
+    python3 dev/sm90_stats.py --json                # the CUDA target's configuration as JSON (the CI test reads it)
+
+Run it without ``TRITON_INTERPRET``: the interpreter replaces the kernels with Python the compiler cannot take.
+
+Triton compiles for any NVIDIA target offline (its wheel bundles ``ptxas``), so registers, spills, shared
+memory and the order of the tensor-core instructions can be read before a GPU is lent. Per configuration
+(bf16, head 128, 128-token cache blocks through TMA, 4 query heads per KV head):
+
+- ``regs`` and ``stack`` (bytes of local memory a thread), ``spill st/ld``: ``STL``/``LDL`` instructions in
+  the SASS; ``shared``: bytes of shared memory a program takes, and how many programs fit one SM (228 KiB);
+- ``wgmma``/``TMA loads``: ``wgmma.mma_async`` and ``cp.async.bulk.tensor`` instructions in the PTX;
+- ``waits``: the ``wgmma.wait_group N`` operands. ``0`` everywhere means every matrix product is waited
+  for before anything else runs: no softmax of one tile under the tensor cores of the next within a warp.
+
+What it showed (docs/results/attention-h200.md): the shipped 128 x 64 x 4-warp tiles spill (255 registers
+and 1.7 KiB of stack) yet ran fastest, because two programs share an SM; every configuration waits with
+``0`` before the softmax, and so did an experiment (not kept) that carried the next tile's scores across
+loop iterations to overlap them with this tile's exponentials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vllm_port.kernels.triton import CUDA
+from vllm_port.kernels.triton.attention import _prefill_kernel
+from vllm_port.kernels.triton.target import PREFILL_ORDERS, TritonTarget
+
+SM_SHARED_BYTES = 228 * 1024  # an H100/H200 multiprocessor's shared memory (227 KiB a block, 1 KiB reserved a block)
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+#: The tiles the H200 runs measured (dev/probe_hopper.py), beside the target's own.
+COMPARED = ((128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2))
+
+
+@dataclass(frozen=True)
+class KernelStats:
+    """What ``ptxas`` and Triton made of one configuration of the prefill kernel for sm_90."""
+
+    tiles: tuple[int, int, int, int]  # block_m, block_n, warps, stages
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+    wgmma: int
+    tma_loads: int
+    waits: tuple[int, ...]
+
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs one SM holds, by shared memory and by registers (65,536 a multiprocessor)."""
+        threads = 32 * self.tiles[2]
+        by_shared = SM_SHARED_BYTES // (self.shared_bytes + 1024)
+        by_registers = 65536 // (max(self.registers, 1) * threads)
+        return min(by_shared, by_registers)
+
+
+def compile_prefill(target: TritonTarget = CUDA, head: int = 128, group: int = 4, block_size: int = 128) -> KernelStats:
+    """Compile ``_prefill_kernel`` with ``target``'s tiles for sm_90 (bf16, TMA, causal, no window or cap)."""
+    block_m, block_n, warps, stages = target.attn_block_m, target.attn_block_n, target.attn_warps, target.attn_stages
+    desc = f"tensordesc<bf16[1,{block_n},{head}]>"
+    pointers = ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")
+    strides = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+               "stride_vs", "stride_vh", "stride_bt")  # fmt: skip
+    signature = {
+        **dict.fromkeys(pointers, "*bf16"),
+        **dict.fromkeys(("block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"), "*i32"),
+        "scale": "fp32",
+        "soft_cap": "fp32",
+        "sliding_window": "i32",
+        **dict.fromkeys(strides, "i32"),
+        "k_desc": desc,
+        "v_desc": desc,
+    }
+    constants = {"GROUP": group, "HEAD_SIZE": head, "HEAD_PAD": head, "BLOCK_SIZE": block_size, "BLOCK_M": block_m,
+                 "BLOCK_N": block_n, "PAGE_TILE": True, "USE_SOFT_CAP": False, "USE_WINDOW": False,
+                 "DOT_PRECISION": None, "DOT_FP32": False, "TMA": True,
+                 "ORDER": PREFILL_ORDERS.index(target.prefill_order)}  # fmt: skip
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    kernel = triton.compile(
+        ASTSource(fn=_prefill_kernel, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": stages},
+    )
+    usage, sass = _cuobjdump(kernel.asm["cubin"])
+    ptx = kernel.asm["ptx"]
+    return KernelStats(
+        tiles=(block_m, block_n, warps, stages),
+        registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+        stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+        spill_stores=len(re.findall(r"\bSTL\b", sass)),
+        spill_loads=len(re.findall(r"\bLDL\b", sass)),
+        shared_bytes=kernel.metadata.shared,
+        wgmma=ptx.count("wgmma.mma_async"),
+        tma_loads=ptx.count("cp.async.bulk.tensor"),
+        waits=tuple(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)),
+    )
+
+
+def _cuobjdump(cubin: bytes) -> tuple[str, str]:
+    """The cubin's resource usage and its SASS, by the ``cuobjdump`` in Triton's wheel."""
+    tool = os.path.join(_BIN, "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage, sass = (
+            subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout  # noqa: S603
+            for flag in ("-res-usage", "-sass")
+        )
+        return usage, sass
+
+
+def describe(stats: KernelStats) -> str:
+    m, n, w, s = stats.tiles
+    return (
+        f"m{m} n{n} w{w} s{s}: regs {stats.registers}, stack {stats.stack_bytes} B, spill st/ld "
+        f"{stats.spill_stores}/{stats.spill_loads}, shared {stats.shared_bytes / 1024:.0f} KiB, "
+        f"{stats.programs_per_sm} program(s) an SM, wgmma {stats.wgmma}, TMA loads {stats.tma_loads}, "
+        f"waits {sorted(set(stats.waits))}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiles", default=None, help="block_m,block_n,warps,stages (default: the target's and more)")
+    parser.add_argument("--json", action="store_true", help="print the CUDA target's statistics as JSON, nothing else")
+    opts = parser.parse_args(argv)
+    if opts.json:
+        stats = compile_prefill()
+        print(json.dumps({**dataclasses.asdict(stats), "programs_per_sm": stats.programs_per_sm}))
+        return 0
+    if opts.tiles:
+        configurations = [tuple(int(v) for v in opts.tiles.split(","))]
+    else:
+        configurations = [(CUDA.attn_block_m, CUDA.attn_block_n, CUDA.attn_warps, CUDA.attn_stages), *COMPARED]
+    print(f"prefill_attention for sm_90, bf16, head 128, TMA; triton {triton.__version__}")
+    for m, n, w, s in configurations:
+        target = dataclasses.replace(CUDA, attn_block_m=m, attn_block_n=n, attn_warps=w, attn_stages=s)
+        label = " (the CUDA target)" if target == CUDA else ""
+        print(describe(compile_prefill(target)) + label, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
