@@ -6,8 +6,9 @@
   prefill so): microseconds per call with the device never waited for, split into the op's input checks,
   the TMA descriptors and the rest (Triton's launcher), and a ``cProfile`` of the calls.
 - ``prefill``: one causal sequence of 1k-16k tokens on 128-token blocks (TMA): both launch orders
-  (``TritonTarget.prefill_order``) with the 128 x 128 x 8-warp tiles and with the 128 x 64 x 4-warp tiles that
-  let two programs share an SM (a natural overlap of one program's softmax with the other's MMAs), each by
+  (``TritonTarget.prefill_order``) with the 128 x 128 x 8-warp tiles, the 128 x 64 x 4-warp tiles that let two
+  programs share an SM (a natural overlap of one program's softmax with the other's MMAs; shipped) and the
+  64 x 64 x 4-warp tiles (two programs an SM without register spills, ``dev/sm90_stats.py``), each by
   ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by reading, the flush
   subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
 - ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the split rule's fewest tiles a split (8, shipped; 4) and
@@ -130,6 +131,8 @@ PREFILL_VARIANTS = {
     for label, tiles in (
         ("m128 n128 w8 s3", {}),
         ("m128 n64 w4 s2", {"attn_block_n": 64, "attn_warps": 4, "attn_stages": 2}),
+        # two programs an SM without spilling (dev/sm90_stats.py): not measured yet
+        ("m64 n64 w4 s2", {"attn_block_m": 64, "attn_block_n": 64, "attn_warps": 4, "attn_stages": 2}),
     )
     for order in ("head", "all_heads")
 }
