@@ -11,6 +11,9 @@
   64 x 64 x 4-warp tiles (two programs an SM without register spills, ``dev/sm90_stats.py``), each by
   ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by reading, the flush
   subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
+- ``gluon`` (not in the default sections): ``dev/gluon_prefill.py``, the Gluon experiment with FlashAttention-3's
+  intra-warpgroup overlap, checked by the op's contract on NaN-poisoned caches (ragged ends, prefixes), then timed
+  beside the shipped kernel and cuDNN the same two ways. Run it in its own process under a timeout.
 - ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the split rule's fewest tiles a split (8, shipped; 4) and
   a fixed 64 splits, by graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes. (The
   first run swept 24-132 splits and four tile shapes: ``docs/results/h200/probe-hopper-h200-run1.txt``.)
@@ -233,6 +236,46 @@ def probe_decode(copy_gbs: float) -> None:
                     of_copy=nbytes / us / 1e3 / copy_gbs)  # fmt: skip
 
 
+def probe_gluon(lengths: list[int]) -> None:
+    """``dev/gluon_prefill.py``: the op's own check first (NaN in unowned slots, ragged ends, prefixes), then timed."""
+    import gluon_prefill
+
+    from vllm_port.ops import prefill_attention as op
+    from vllm_port.ops.attention import _paged_batch
+
+    print("== gluon: dev/gluon_prefill.py, checked by the op's contract, then beside the shipped kernel and cuDNN")
+    gen = torch.Generator().manual_seed(0)
+    for q_lens, prefixes in (([300], [0]), ([200, 77, 1], [77, 300, 500]), ([512] * 4, [512] * 4), ([1000], [0])):
+        lens = [p + q for p, q in zip(prefixes, q_lens, strict=True)]
+        kc, vc, tables, seq_lens = _paged_batch(gen, torch.device("cuda"), torch.bfloat16, lens, KV_HEADS, HEAD, 128)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(q_lens), HEADS, HEAD, generator=gen).to("cuda", torch.bfloat16)
+        args = (q, kc, vc, tables, cu, seq_lens, max(q_lens), HEAD**-0.5, 0, 0.0)
+        try:
+            verdict = op.check(gluon_prefill.gluon_prefill, args, torch.bfloat16) or "ok"
+        except Exception as e:
+            verdict = f"{type(e).__name__}: {str(e)[:200]}"
+        row(section="gluon", case=f"check q {q_lens} after {prefixes}", check=verdict)
+        if verdict != "ok":
+            return  # a wrong kernel is not timed
+    shipped = AttentionKernels(TARGET)
+    for label, tokens, seqs, prefix in [(f"1 x {n}", n, 1, 0) for n in lengths] + [
+        ("16 x 512 after 512", 512, 16, 512)
+    ]:
+        args, flops = prefill(tokens, 128, "cuda", seqs=seqs, prefix=prefix)
+        times = {}
+        for name, fn in (
+            ("gluon", lambda a=args: gluon_prefill.gluon_prefill(*a)),
+            ("shipped", lambda a=args: shipped.prefill_attention(*a)),
+        ):
+            times[name] = (do_bench_us(fn), graph_cold_us(fn))
+        if seqs == 1:
+            cudnn = sdpa_prefill(args[0], SDPBackend.CUDNN_ATTENTION)
+            times["cudnn"] = (do_bench_us(cudnn), graph_cold_us(cudnn))
+        for name, (cold, graph) in times.items():
+            row(section="gluon", case=label, variant=name, cold_us=cold, graph_us=graph, tflops=flops / graph / 1e6)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -251,6 +294,8 @@ def main() -> int:
             probe_prefill([int(n) for n in opts.lengths.split(",")])
         if "decode" in sections:
             probe_decode(copy_gbs)
+        if "gluon" in sections:  # its own call in dev/gpu-run, under a timeout: an untried kernel may hang
+            probe_gluon([int(n) for n in opts.lengths.split(",")])
     finally:
         if opts.json:
             Path(opts.json).write_text(json.dumps({"copy_gbs": copy_gbs, "rows": ROWS}, indent=1))

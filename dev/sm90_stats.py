@@ -2,7 +2,7 @@
 
     python3 dev/sm90_stats.py                       # the CUDA target's tiles and the tiles the H200 runs compared
     python3 dev/sm90_stats.py --tiles 128,64,4,2    # one configuration: block_m, block_n, warps, stages
-    python3 dev/sm90_stats.py --json                # the CUDA target's configuration as JSON (the CI test reads it)
+    python3 dev/sm90_stats.py --json                # the CUDA target's kernel and the Gluon experiment as JSON (CI)
 
 Run it without ``TRITON_INTERPRET``: the interpreter replaces the kernels with Python the compiler cannot take.
 
@@ -15,6 +15,9 @@ memory and the order of the tensor-core instructions can be read before a GPU is
 - ``wgmma``/``TMA loads``: ``wgmma.mma_async`` and ``cp.async.bulk.tensor`` instructions in the PTX;
 - ``waits``: the ``wgmma.wait_group N`` operands. ``0`` everywhere means every matrix product is waited
   for before anything else runs: no softmax of one tile under the tensor cores of the next within a warp.
+
+The Gluon experiment (``dev/gluon_prefill.py``) is listed too: there the waits read ``1`` where the softmax
+runs under the ``P V`` product.
 
 What it showed (docs/results/attention-h200.md): the shipped 128 x 64 x 4-warp tiles spill (255 registers
 and 1.7 KiB of stack) yet ran fastest, because two programs share an SM; every configuration waits with
@@ -99,10 +102,43 @@ def compile_prefill(target: TritonTarget = CUDA, head: int = 128, group: int = 4
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": warps, "num_stages": stages},
     )
+    return _stats(kernel, (block_m, block_n, warps, stages))
+
+
+def compile_gluon_prefill(group: int = 4, block_size: int = 128) -> KernelStats:
+    """Compile ``dev/gluon_prefill.py``'s experimental kernel (FlashAttention-3's intra-warpgroup overlap) for sm_90."""
+    if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # dev/gluon_prefill.py sits beside this script
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gluon_prefill as g
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    q_layout = gl.NVMMASharedLayout.get_default_for([g.BLOCK_M, g.HEAD], gl.bfloat16)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([g.BLOCK_N, g.HEAD], gl.bfloat16)
+    signature = {
+        "q_desc": f"tensordesc<bf16[{g.BLOCK_M},{g.HEAD}],{q_layout!r}>",
+        "k_desc": f"tensordesc<bf16[{g.BLOCK_N},{g.HEAD}],{kv_layout!r}>",
+        "v_desc": f"tensordesc<bf16[{g.BLOCK_N},{g.HEAD}],{kv_layout!r}>",
+        "out_ptr": "*bf16",
+        **dict.fromkeys(("block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"), "*i32"),
+        "qk_scale": "fp32",
+        **dict.fromkeys(("stride_ot", "stride_oh", "stride_bt"), "i32"),
+    }
+    constants = {"GROUP": group, "BLOCK_SIZE": block_size, "BLOCK_M": g.BLOCK_M, "BLOCK_N": g.BLOCK_N, "HEAD": g.HEAD}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    kernel = triton.compile(
+        GluonASTSource(g._gluon_prefill_kernel, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": g.NUM_WARPS},
+    )
+    return _stats(kernel, (g.BLOCK_M, g.BLOCK_N, g.NUM_WARPS, 2))
+
+
+def _stats(kernel, tiles: tuple[int, int, int, int]) -> KernelStats:
     usage, sass = _cuobjdump(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
     return KernelStats(
-        tiles=(block_m, block_n, warps, stages),
+        tiles=tiles,
         registers=int(re.search(r"REG:(\d+)", usage).group(1)),
         stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
         spill_stores=len(re.findall(r"\bSTL\b", sass)),
@@ -143,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the CUDA target's statistics as JSON, nothing else")
     opts = parser.parse_args(argv)
     if opts.json:
-        stats = compile_prefill()
-        print(json.dumps({**dataclasses.asdict(stats), "programs_per_sm": stats.programs_per_sm}))
+        report = {}
+        for name, stats in (("shipped", compile_prefill()), ("gluon", compile_gluon_prefill())):
+            report[name] = {**dataclasses.asdict(stats), "programs_per_sm": stats.programs_per_sm}
+        print(json.dumps(report))
         return 0
     if opts.tiles:
         configurations = [tuple(int(v) for v in opts.tiles.split(","))]
@@ -155,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         target = dataclasses.replace(CUDA, attn_block_m=m, attn_block_n=n, attn_warps=w, attn_stages=s)
         label = " (the CUDA target)" if target == CUDA else ""
         print(describe(compile_prefill(target)) + label, flush=True)
+    if not opts.tiles:
+        print(describe(compile_gluon_prefill()) + " (dev/gluon_prefill.py, the Gluon experiment)", flush=True)
     return 0
 
 
