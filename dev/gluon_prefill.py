@@ -107,67 +107,73 @@ def _gluon_prefill_kernel(
         table = block_tables_ptr + seq.to(gl.int64) * stride_bt
         col = kv_head * HEAD
 
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # q, k0, k1, v0, v1
-        for i in gl.static_range(5):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()  # the barriers' initialisation, visible to TMA
-        gl.thread_barrier()  # ... and to every warp before any waits on them
+        if n_tiles > 0:
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD], v_desc.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # q, k0, k1, v0, v1
+            for i in gl.static_range(5):
+                mbarrier.init(bars.index(i), count=1)
+            fence_async_shared()  # the barriers' initialisation, visible to TMA
+            gl.thread_barrier()  # ... and to every warp before any waits on them
 
-        # prologue: Q, key tiles 0 and 1, value tile 0 (and 1 when it exists)
-        _issue_tile_load(q_desc, q_start + m0, head * HEAD, q_smem, bars.index(0), BLOCK_M * HEAD * 2, True)
-        _issue_tile_load(k_desc, _cache_row(table, 0, BLOCK_SIZE, BLOCK_N), col, k_smem.index(0), bars.index(1),
-                         tile_bytes, True)  # fmt: skip
-        _issue_tile_load(v_desc, _cache_row(table, 0, BLOCK_SIZE, BLOCK_N), col, v_smem.index(0), bars.index(3),
-                         tile_bytes, True)  # fmt: skip
-        has_1 = n_tiles > 1
-        row_1 = _cache_row(table, gl.minimum(1, n_tiles - 1), BLOCK_SIZE, BLOCK_N)
-        _issue_tile_load(k_desc, row_1, col, k_smem.index(1), bars.index(2), tile_bytes, has_1)
-        _issue_tile_load(v_desc, row_1, col, v_smem.index(1), bars.index(4), tile_bytes, has_1)
+            # prologue: Q, key tiles 0 and 1, value tile 0 (and 1 when it exists)
+            _issue_tile_load(q_desc, q_start + m0, head * HEAD, q_smem, bars.index(0), BLOCK_M * HEAD * 2, True)
+            _issue_tile_load(k_desc, _cache_row(table, 0, BLOCK_SIZE, BLOCK_N), col, k_smem.index(0), bars.index(1),
+                             tile_bytes, True)  # fmt: skip
+            _issue_tile_load(v_desc, _cache_row(table, 0, BLOCK_SIZE, BLOCK_N), col, v_smem.index(0), bars.index(3),
+                             tile_bytes, True)  # fmt: skip
+            has_1 = n_tiles > 1
+            row_1 = _cache_row(table, gl.minimum(1, n_tiles - 1), BLOCK_SIZE, BLOCK_N)
+            _issue_tile_load(k_desc, row_1, col, k_smem.index(1), bars.index(2), tile_bytes, has_1)
+            _issue_tile_load(v_desc, row_1, col, v_smem.index(1), bars.index(4), tile_bytes, has_1)
 
-        q_pos = first + gl.arange(0, BLOCK_M, layout=rows_of)
-        offs_n = gl.arange(0, BLOCK_N, layout=cols_of)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_of)
-        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=rows_of)
-        acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=mma)
+            q_pos = first + gl.arange(0, BLOCK_M, layout=rows_of)
+            offs_n = gl.arange(0, BLOCK_N, layout=cols_of)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_of)
+            l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=rows_of)
+            acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=mma)
 
-        # tile 0: its scores synchronously, then the loop keeps one P V product in flight
-        mbarrier.wait(bars.index(0), 0)
-        mbarrier.wait(bars.index(1), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma),
-                          use_acc=False)  # fmt: skip
-        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, q_pos, offs_n, 0, seq_len, n_full, BLOCK_N)
-        p_prev = gl.convert_layout(p.to(dtype), p_operand)
-        for j in range(1, n_tiles):
-            stage = j % 2
-            prev = 1 - stage
-            phase = (j // 2) & 1
-            mbarrier.wait(bars.index(1 + stage), phase)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)),
-                                  gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)  # fmt: skip
-            mbarrier.wait(bars.index(3 + prev), ((j - 1) // 2) & 1)  # tile j - 1 ends before the sequence does
-            acc_tok = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_tok])  # the scores are in; P V still runs
-            has_next2 = j + 2 < n_tiles
-            _issue_tile_load(k_desc, _cache_row(table, gl.minimum(j + 2, n_tiles - 1), BLOCK_SIZE, BLOCK_N), col,
-                             k_smem.index(stage), bars.index(1 + stage), tile_bytes, has_next2)  # fmt: skip
-            p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, q_pos, offs_n, j, seq_len, n_full, BLOCK_N)
-            acc, p_prev = warpgroup_mma_wait(0, deps=[acc_tok, p_prev])  # P's registers stay live until here
-            has_next1 = j + 1 < n_tiles
-            _issue_tile_load(v_desc, _cache_row(table, gl.minimum(j + 1, n_tiles - 1), BLOCK_SIZE, BLOCK_N), col,
-                             v_smem.index(prev), bars.index(3 + prev), tile_bytes, has_next1)  # fmt: skip
-            acc = acc * gl.expand_dims(alpha, 1)
+            # tile 0: its scores synchronously, then the loop keeps one P V product in flight
+            mbarrier.wait(bars.index(0), 0)
+            mbarrier.wait(bars.index(1), 0)
+            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma),
+                              use_acc=False)  # fmt: skip
+            # key buffer 0 is free again: key tile 2 (the loop loads tiles 3 on, each two tiles ahead)
+            _issue_tile_load(k_desc, _cache_row(table, gl.minimum(2, n_tiles - 1), BLOCK_SIZE, BLOCK_N), col,
+                             k_smem.index(0), bars.index(1), tile_bytes, n_tiles > 2)  # fmt: skip
+            p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, q_pos, offs_n, 0, seq_len, n_full, BLOCK_N)
             p_prev = gl.convert_layout(p.to(dtype), p_operand)
-        last_stage = (n_tiles - 1) % 2
-        mbarrier.wait(bars.index(3 + last_stage), ((n_tiles - 1) // 2) & 1)
-        _zero_rows_past(v_smem.index(last_stage), n_tiles - 1, seq_len, BLOCK_N, HEAD)
-        acc = warpgroup_mma(p_prev, v_smem.index(last_stage), acc)
-        for i in gl.static_range(5):
-            mbarrier.invalidate(bars.index(i))
+            for j in range(1, n_tiles):
+                stage = j % 2
+                prev = 1 - stage
+                phase = (j // 2) & 1
+                mbarrier.wait(bars.index(1 + stage), phase)
+                s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)),
+                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)  # fmt: skip
+                mbarrier.wait(bars.index(3 + prev), ((j - 1) // 2) & 1)  # tile j - 1 ends before the sequence does
+                acc_tok = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s_tok])  # the scores are in; P V still runs
+                has_next2 = j + 2 < n_tiles
+                _issue_tile_load(k_desc, _cache_row(table, gl.minimum(j + 2, n_tiles - 1), BLOCK_SIZE, BLOCK_N), col,
+                                 k_smem.index(stage), bars.index(1 + stage), tile_bytes, has_next2)  # fmt: skip
+                p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, q_pos, offs_n, j, seq_len, n_full, BLOCK_N)
+                acc, p_prev = warpgroup_mma_wait(0, deps=[acc_tok, p_prev])  # P's registers stay live until here
+                has_next1 = j + 1 < n_tiles
+                _issue_tile_load(v_desc, _cache_row(table, gl.minimum(j + 1, n_tiles - 1), BLOCK_SIZE, BLOCK_N), col,
+                                 v_smem.index(prev), bars.index(3 + prev), tile_bytes, has_next1)  # fmt: skip
+                acc = acc * gl.expand_dims(alpha, 1)
+                p_prev = gl.convert_layout(p.to(dtype), p_operand)
+            last_stage = (n_tiles - 1) % 2
+            mbarrier.wait(bars.index(3 + last_stage), ((n_tiles - 1) // 2) & 1)
+            _zero_rows_past(v_smem.index(last_stage), n_tiles - 1, seq_len, BLOCK_N, HEAD)
+            acc = warpgroup_mma(p_prev, v_smem.index(last_stage), acc)
+            for i in gl.static_range(5):
+                mbarrier.invalidate(bars.index(i))
 
-        out = acc / gl.expand_dims(gl.where(l_i > 0, l_i, 1.0), 1)
+            out = acc / gl.expand_dims(gl.where(l_i > 0, l_i, 1.0), 1)
+        else:  # a padded sequence (no cached token): the contract wants zeros
+            out = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=mma)
         rows = m0 + gl.arange(0, BLOCK_M, layout=rows_of)
         cols = gl.arange(0, HEAD, layout=cols_of)
         ptrs = out_ptr + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
@@ -206,16 +212,25 @@ def _zero_rows_past(v_tile, tile, seq_len, BLOCK_N: gl.constexpr, HEAD: gl.const
 
 
 def supported(
-    query: torch.Tensor, key_cache: torch.Tensor, sliding_window: int = 0, soft_cap: float = 0.0
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> str | None:
     """Why this experiment cannot run these inputs, or None."""
+    if query.device.type != "cuda" or torch.cuda.get_device_capability(query.device) < (9, 0):
+        return f"an sm_90 or newer NVIDIA GPU only (got {query.device})"
     if query.dtype not in (torch.bfloat16, torch.float16) or query.shape[-1] != HEAD:
         return f"bf16/fp16 with head {HEAD} only (got {query.dtype}, head {query.shape[-1]})"
     if sliding_window or soft_cap:
         return "causal attention without window or soft cap only"
     _, block_size, kv_heads, head = key_cache.shape
-    if block_size % BLOCK_N or key_cache.stride() != (block_size * kv_heads * head, kv_heads * head, head, 1):
-        return f"contiguous caches of blocks a multiple of {BLOCK_N} tokens only"
+    contiguous = (block_size * kv_heads * head, kv_heads * head, head, 1)
+    if block_size % BLOCK_N or key_cache.stride() != contiguous or value_cache.stride() != contiguous:
+        return f"contiguous key and value caches of blocks a multiple of {BLOCK_N} tokens only"
+    if value_cache.shape != key_cache.shape or query.shape[1] % kv_heads:
+        return f"caches of one shape and query heads a multiple of the {kv_heads} KV heads only"
     if query.stride(-1) != 1 or query.stride(1) != HEAD or query.stride(0) != query.shape[1] * HEAD:
         return "a contiguous query only"
     return None
@@ -226,7 +241,7 @@ def gluon_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq
     """``prefill_attention`` (the op's signature) by the experiment; raises ``ValueError`` outside its scope."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    why = supported(query, key_cache, sliding_window, soft_cap)
+    why = supported(query, key_cache, value_cache, sliding_window, soft_cap)
     if why:
         raise ValueError(f"gluon_prefill: {why}; use the shipped kernel")
     num_tokens, num_heads, head = query.shape
