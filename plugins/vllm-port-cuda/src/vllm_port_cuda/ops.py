@@ -39,8 +39,9 @@ SHARED_MEMORY_KIB = {
     (12, 1): 99,
 }
 
-#: The least shared memory each target's largest attention tiles need (bf16, head 128), in KiB. The Hopper
-#: target's prefill is tuned for two programs of 96 KiB sharing a multiprocessor.
+#: The shared memory a part must offer for each target, in KiB (bf16, head 128). The Hopper target's prefill
+#: program takes 96 KiB and was tuned for two of them on one multiprocessor, hence 192; the others' largest
+#: attention tiles need the figure given.
 _HOPPER_NEEDS_KIB = 192
 _AMPERE_NEEDS_KIB = 128
 _COMPACT_NEEDS_KIB = 80

@@ -49,8 +49,9 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in base 2
 # The target's ``decode_programs_per_sm`` says how many programs per SM to aim at (a batch already
 # giving half as many is not split) and ``decode_min_tiles_per_split`` how short a split may get.
 _MAX_SPLITS = 256
-# The merge sums up to this many splits' partial outputs per step: 128 x 128 float32 over 8 warps (64 registers a
-# thread). Up to 128 splits (every shape the shipped targets split) it is one load, not a chain of dependent steps.
+# The merge sums up to this many splits' partial outputs per step: 128 x 128 float32 over 8 warps for head 128
+# (64 registers a thread; twice that for head 256). Up to 128 splits it is one load, not a chain of dependent steps;
+# more (the split rule allows 256: long block tables, few KV heads) take several.
 _MERGE_CHUNK = 128
 
 

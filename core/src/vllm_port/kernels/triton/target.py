@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT", "INTERPRETER", "ROCM", "XPU", "LinearTiles", "TritonTarget"]
+__all__ = [
+    "CUDA",
+    "CUDA_AMPERE",
+    "CUDA_COMPACT",
+    "INTERPRETER",
+    "PREFILL_ORDERS",
+    "ROCM",
+    "XPU",
+    "LinearTiles",
+    "TritonTarget",
+]
 
 
 #: The launch orders prefill attention knows (``TritonTarget.prefill_order``).
