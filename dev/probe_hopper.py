@@ -11,9 +11,11 @@
   64 x 64 x 4-warp tiles (two programs an SM without register spills, ``dev/sm90_stats.py``), each by
   ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by reading, the flush
   subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
-- ``gluon`` (not in the default sections): ``dev/gluon_prefill.py``, the Gluon experiment with FlashAttention-3's
-  intra-warpgroup overlap, checked by the op's contract on NaN-poisoned caches (ragged ends, prefixes), then timed
-  beside the shipped kernel and cuDNN the same two ways. Run it in its own process under a timeout.
+- ``gluon`` (not in the default sections): a Gluon experiment (``--gluon``): ``tma`` (``dev/gluon_prefill.py``,
+  FlashAttention-3's intra-warpgroup overlap), ``ws`` and ``ws_pp`` (``dev/gluon_prefill_ws.py``, the same
+  warp-specialised: a TMA producer warp, two consumer warpgroups, without and with their ping-pong), checked by the
+  op's contract on NaN-poisoned caches (ragged ends, prefixes), then timed beside the shipped kernel and cuDNN the
+  same two ways. Run each in its own process under a timeout.
 - ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the split rule's fewest tiles a split (8, shipped; 4) and
   a fixed 64 splits, by graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes. (The
   first run swept 24-132 splits and four tile shapes: ``docs/results/h200/probe-hopper-h200-run1.txt``.)
@@ -26,11 +28,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import functools
 import io
 import json
 import pstats
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -236,14 +240,27 @@ def probe_decode(copy_gbs: float) -> None:
                     of_copy=nbytes / us / 1e3 / copy_gbs)  # fmt: skip
 
 
-def probe_gluon(lengths: list[int]) -> None:
-    """``dev/gluon_prefill.py``: the op's own check first (NaN in unowned slots, ragged ends, prefixes), then timed."""
-    import gluon_prefill
+def _gluon_kernel(name: str) -> Callable[..., torch.Tensor]:
+    """A Gluon experiment by name: ``tma`` (``dev/gluon_prefill.py``), ``ws`` and ``ws_pp`` (``dev/gluon_prefill_ws.py``,
+    warp-specialised, without and with the warpgroups' ping-pong)."""
+    if name == "tma":
+        import gluon_prefill
 
+        return gluon_prefill.gluon_prefill
+    import gluon_prefill_ws
+
+    if name in ("ws", "ws_pp"):
+        return functools.partial(gluon_prefill_ws.gluon_prefill_ws, pingpong=name == "ws_pp")
+    raise SystemExit(f"probe_hopper: unknown Gluon kernel {name!r}; pick tma, ws or ws_pp")
+
+
+def probe_gluon(lengths: list[int], kernel: str = "tma") -> None:
+    """A Gluon experiment: the op's own check first (NaN in unowned slots, ragged ends, prefixes), then timed."""
     from vllm_port.ops import prefill_attention as op
     from vllm_port.ops.attention import _paged_batch
 
-    print("== gluon: dev/gluon_prefill.py, checked by the op's contract, then beside the shipped kernel and cuDNN")
+    gluon_fn = _gluon_kernel(kernel)
+    print(f"== gluon: the {kernel!r} kernel, checked by the op's contract, then beside the shipped kernel and cuDNN")
     gen = torch.Generator().manual_seed(0)
     for q_lens, prefixes in (([300], [0]), ([200, 77, 1], [77, 300, 500]), ([512] * 4, [512] * 4), ([1000], [0])):
         lens = [p + q for p, q in zip(prefixes, q_lens, strict=True)]
@@ -252,10 +269,10 @@ def probe_gluon(lengths: list[int]) -> None:
         q = torch.randn(sum(q_lens), HEADS, HEAD, generator=gen).to("cuda", torch.bfloat16)
         args = (q, kc, vc, tables, cu, seq_lens, max(q_lens), HEAD**-0.5, 0, 0.0)
         try:
-            verdict = op.check(gluon_prefill.gluon_prefill, args, torch.bfloat16) or "ok"
+            verdict = op.check(gluon_fn, args, torch.bfloat16) or "ok"
         except Exception as e:
             verdict = f"{type(e).__name__}: {str(e)[:200]}"
-        row(section="gluon", case=f"check q {q_lens} after {prefixes}", check=verdict)
+        row(section="gluon", kernel=kernel, case=f"check q {q_lens} after {prefixes}", check=verdict)
         if verdict != "ok":
             return  # a wrong kernel is not timed
     shipped = AttentionKernels(TARGET)
@@ -265,7 +282,7 @@ def probe_gluon(lengths: list[int]) -> None:
         args, flops = prefill(tokens, 128, "cuda", seqs=seqs, prefix=prefix)
         times = {}
         for name, fn in (
-            ("gluon", lambda a=args: gluon_prefill.gluon_prefill(*a)),
+            (f"gluon_{kernel}", lambda a=args: gluon_fn(*a)),
             ("shipped", lambda a=args: shipped.prefill_attention(*a)),
         ):
             times[name] = (do_bench_us(fn), graph_cold_us(fn))
@@ -281,6 +298,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--sections", default="launch,prefill,decode")
     parser.add_argument("--lengths", default="1024,4096,8192,16384")
+    parser.add_argument("--gluon", default="tma", help="the Gluon experiment the gluon section runs: tma, ws or ws_pp")
     opts = parser.parse_args()
     sections = set(opts.sections.split(","))
     print(
@@ -295,7 +313,7 @@ def main() -> int:
         if "decode" in sections:
             probe_decode(copy_gbs)
         if "gluon" in sections:  # its own call in dev/gpu-run, under a timeout: an untried kernel may hang
-            probe_gluon([int(n) for n in opts.lengths.split(",")])
+            probe_gluon([int(n) for n in opts.lengths.split(",")], opts.gluon)
     finally:
         if opts.json:
             Path(opts.json).write_text(json.dumps({"copy_gbs": copy_gbs, "rows": ROWS}, indent=1))
