@@ -11,11 +11,11 @@
   64 x 64 x 4-warp tiles (two programs an SM without register spills, ``dev/sm90_stats.py``), each by
   ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by reading, the flush
   subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
-- ``gluon`` (not in the default sections): a Gluon experiment (``--gluon``): ``tma`` (``dev/gluon_prefill.py``,
-  FlashAttention-3's intra-warpgroup overlap), ``ws`` and ``ws_pp`` (``dev/gluon_prefill_ws.py``, the same
-  warp-specialised: a TMA producer warp, two consumer warpgroups, without and with their ping-pong), checked by the
-  op's contract on NaN-poisoned caches (ragged ends, prefixes), then timed beside the shipped kernel and cuDNN the
-  same two ways. Run each in its own process under a timeout.
+- ``gluon`` (not in the default sections): a Gluon kernel (``--gluon``): ``tma`` (``dev/gluon_prefill.py``,
+  FlashAttention-3's intra-warpgroup overlap), ``ws_pp`` (the CUDA plugin's Hopper prefill: the same
+  warp-specialised, a TMA producer warp and two consumer warpgroups taking turns) and ``ws`` (without the turns),
+  checked by the op's contract on NaN-poisoned caches (ragged ends, prefixes), then timed beside the Triton kernel
+  and cuDNN the same two ways. Run each in its own process under a timeout.
 - ``decode``: 1 x 32k and 8 x 8k on 128-token blocks: the split rule's fewest tiles a split (8, shipped; 4) and
   a fixed 64 splits, by graph replay (read flush), beside cuDNN's decode and a device copy of the K/V bytes. (The
   first run swept 24-132 splits and four tile shapes: ``docs/results/h200/probe-hopper-h200-run1.txt``.)
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
-import functools
 import io
 import json
 import pstats
@@ -241,17 +240,23 @@ def probe_decode(copy_gbs: float) -> None:
 
 
 def _gluon_kernel(name: str) -> Callable[..., torch.Tensor]:
-    """A Gluon experiment by name: ``tma`` (``dev/gluon_prefill.py``), ``ws`` and ``ws_pp`` (``dev/gluon_prefill_ws.py``,
-    warp-specialised, without and with the warpgroups' ping-pong)."""
+    """A Gluon kernel by name: ``tma`` (``dev/gluon_prefill.py``, the first experiment), ``ws_pp`` (the CUDA plugin's
+    Hopper prefill, ``vllm_port_cuda.hopper_prefill``, as shipped) and ``ws`` (the same without the warpgroups'
+    ping-pong)."""
     if name == "tma":
         import gluon_prefill
 
         return gluon_prefill.gluon_prefill
-    import gluon_prefill_ws
+    if name not in ("ws", "ws_pp"):
+        raise SystemExit(f"probe_hopper: unknown Gluon kernel {name!r}; pick tma, ws or ws_pp")
+    from vllm_port_cuda import hopper_prefill
 
-    if name in ("ws", "ws_pp"):
-        return functools.partial(gluon_prefill_ws.gluon_prefill_ws, pingpong=name == "ws_pp")
-    raise SystemExit(f"probe_hopper: unknown Gluon kernel {name!r}; pick tma, ws or ws_pp")
+    def run(*args: object) -> torch.Tensor:
+        if hopper_prefill.unsupported(*args[:3], *args[8:]):
+            raise ValueError(f"hopper_prefill: {hopper_prefill.unsupported(*args[:3], *args[8:])}")
+        return hopper_prefill.hopper_prefill_attention(*args[:8], pingpong=name == "ws_pp")
+
+    return run
 
 
 def probe_gluon(lengths: list[int], kernel: str = "tma") -> None:
@@ -283,7 +288,7 @@ def probe_gluon(lengths: list[int], kernel: str = "tma") -> None:
         times = {}
         for name, fn in (
             (f"gluon_{kernel}", lambda a=args: gluon_fn(*a)),
-            ("shipped", lambda a=args: shipped.prefill_attention(*a)),
+            ("triton", lambda a=args: shipped.prefill_attention(*a)),
         ):
             times[name] = (do_bench_us(fn), graph_cold_us(fn))
         if seqs == 1:

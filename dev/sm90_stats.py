@@ -2,7 +2,7 @@
 
     python3 dev/sm90_stats.py                       # the CUDA target's tiles and the tiles the H200 runs compared
     python3 dev/sm90_stats.py --tiles 128,64,4,2    # one configuration: block_m, block_n, warps, stages
-    python3 dev/sm90_stats.py --json                # the CUDA target's kernel and the Gluon experiment as JSON (CI)
+    python3 dev/sm90_stats.py --json                # the Triton, Hopper (Gluon) and experimental kernels as JSON (CI)
 
 Run it without ``TRITON_INTERPRET``: the interpreter replaces the kernels with Python the compiler cannot take.
 
@@ -16,8 +16,10 @@ memory and the order of the tensor-core instructions can be read before a GPU is
 - ``waits``: the ``wgmma.wait_group N`` operands. ``0`` everywhere means every matrix product is waited
   for before anything else runs: no softmax of one tile under the tensor cores of the next within a warp.
 
-The Gluon experiment (``dev/gluon_prefill.py``) is listed too: there the waits read ``1`` where the softmax
-runs under the ``P V`` product.
+The Gluon kernels are listed too: the CUDA plugin's Hopper prefill (``vllm_port_cuda.hopper_prefill``,
+warp-specialised: ``setmaxnreg`` hands registers from the producer warp to the consumers, and no CTA-wide
+``bar.sync`` remains) and the first experiment (``dev/gluon_prefill.py``); in both the waits read ``1`` where
+the softmax runs under the ``P V`` product.
 
 What it showed (docs/results/attention-h200.md): the shipped 128 x 64 x 4-warp tiles spill (255 registers
 and 1.7 KiB of stack) yet ran fastest, because two programs share an SM; every configuration waits with
@@ -65,6 +67,8 @@ class KernelStats:
     wgmma: int
     tma_loads: int
     waits: tuple[int, ...]
+    cta_barriers: int = 0  # ``bar.sync 0;``: every warp of the program waits for every other
+    register_handoffs: int = 0  # ``setmaxnreg``: warp-specialised partitions trading registers
 
     @property
     def programs_per_sm(self) -> int:
@@ -134,6 +138,37 @@ def compile_gluon_prefill(group: int = 4, block_size: int = 128) -> KernelStats:
     return _stats(kernel, (g.BLOCK_M, g.BLOCK_N, g.NUM_WARPS, 2))
 
 
+def compile_hopper_prefill(group: int = 4, block_size: int = 128) -> KernelStats:
+    """Compile the CUDA plugin's Hopper prefill (``vllm_port_cuda.hopper_prefill``, Gluon, warp-specialised) for
+    sm_90: bf16, 3-D K/V descriptors, ping-pong on."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from vllm_port_cuda import hopper_prefill as h
+
+    q_layout = gl.NVMMASharedLayout.get_default_for([h.ROWS, h.HEAD], gl.bfloat16)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([1, h.TILE, h.HEAD], gl.bfloat16)
+    kv_desc = f"tensordesc<bf16[1,{h.TILE},{h.HEAD}],{kv_layout!r}>"
+    signature = {
+        "q_desc": f"tensordesc<bf16[{h.ROWS},{h.HEAD}],{q_layout!r}>",
+        "k_desc": kv_desc,
+        "v_desc": kv_desc,
+        "out_ptr": "*bf16",
+        **dict.fromkeys(("block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"), "*i32"),
+        "qk_scale": "fp32",
+        **dict.fromkeys(("stride_ot", "stride_oh", "stride_bt"), "i32"),
+    }
+    constants = {"GROUP": group, "BLOCK_SIZE": block_size, "TILE": h.TILE, "ROWS": h.ROWS, "HEAD": h.HEAD,
+                 "CONSUMER_REGS": h.CONSUMER_REGS, "PRODUCER_REGS": h.PRODUCER_REGS, "PINGPONG": True}  # fmt: skip
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    kernel = triton.compile(
+        GluonASTSource(h._hopper_prefill_kernel, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4},
+    )
+    return _stats(kernel, (h.TILE, h.TILE, kernel.metadata.num_warps, 2))
+
+
 def _stats(kernel, tiles: tuple[int, int, int, int]) -> KernelStats:
     usage, sass = _cuobjdump(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
@@ -147,6 +182,8 @@ def _stats(kernel, tiles: tuple[int, int, int, int]) -> KernelStats:
         wgmma=ptx.count("wgmma.mma_async"),
         tma_loads=ptx.count("cp.async.bulk.tensor"),
         waits=tuple(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)),
+        cta_barriers=len(re.findall(r"\bbar\.sync\s+0;", ptx)),
+        register_handoffs=ptx.count("setmaxnreg"),
     )
 
 
@@ -169,7 +206,7 @@ def describe(stats: KernelStats) -> str:
         f"m{m} n{n} w{w} s{s}: regs {stats.registers}, stack {stats.stack_bytes} B, spill st/ld "
         f"{stats.spill_stores}/{stats.spill_loads}, shared {stats.shared_bytes / 1024:.0f} KiB, "
         f"{stats.programs_per_sm} program(s) an SM, wgmma {stats.wgmma}, TMA loads {stats.tma_loads}, "
-        f"waits {sorted(set(stats.waits))}"
+        f"waits {sorted(set(stats.waits))}, CTA-wide barriers {stats.cta_barriers}, setmaxnreg {stats.register_handoffs}"
     )
 
 
@@ -180,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.json:
         report = {}
-        for name, stats in (("shipped", compile_prefill()), ("gluon", compile_gluon_prefill())):
+        kernels = (
+            ("shipped", compile_prefill()),
+            ("hopper", compile_hopper_prefill()),
+            ("gluon", compile_gluon_prefill()),
+        )
+        for name, stats in kernels:
             report[name] = {**dataclasses.asdict(stats), "programs_per_sm": stats.programs_per_sm}
         print(json.dumps(report))
         return 0
@@ -194,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         label = " (the CUDA target)" if target == CUDA else ""
         print(describe(compile_prefill(target)) + label, flush=True)
     if not opts.tiles:
-        print(describe(compile_gluon_prefill()) + " (dev/gluon_prefill.py, the Gluon experiment)", flush=True)
+        print(describe(compile_hopper_prefill()) + " (vllm_port_cuda.hopper_prefill, shipped on sm_90)", flush=True)
+        print(describe(compile_gluon_prefill()) + " (dev/gluon_prefill.py, the first Gluon experiment)", flush=True)
     return 0
 
 

@@ -2,9 +2,11 @@
 
 Triton's wheel compiles for any NVIDIA target offline, so CI checks the Hopper path's premises on every run:
 the key and value tiles come through TMA, the products through ``wgmma``, and two programs fit one SM (the
-CUDA target's tiles were chosen for that: docs/results/attention-h200.md). The Gluon experiment
-(``dev/gluon_prefill.py``, not shipped) must keep compiling to its schedule: a product left in flight under
-the softmax (``wgmma.wait_group 1``) and no spills. The compile runs in a child
+CUDA target's tiles were chosen for that: docs/results/attention-h200.md). The CUDA plugin's Hopper prefill
+(``vllm_port_cuda.hopper_prefill``, Gluon, what sm_90 runs) must keep its FlashAttention-3 schedule: a product
+left in flight under the softmax (``wgmma.wait_group 1``), registers handed from the producer warp to the
+consumers (``setmaxnreg``), no CTA-wide barrier, no spills. So must the first Gluon experiment
+(``dev/gluon_prefill.py``, not shipped). The compile runs in a child
 process without ``TRITON_INTERPRET`` (the interpreter's kernels are Python, which the compiler cannot take).
 """
 
@@ -34,6 +36,10 @@ def test_the_hopper_kernels_use_tma_and_wgmma_as_designed():
     assert stats["tiles"] == [128, 64, 4, 2]
     assert stats["tma_loads"] > 0 and stats["wgmma"] > 0, stats
     assert stats["programs_per_sm"] >= 2, stats
+    # the Hopper kernel: FA3's overlap, warp-specialised, its warpgroups never waiting for each other at a bar.sync
+    hopper = report["hopper"]
+    assert 1 in hopper["waits"] and hopper["spill_stores"] == 0 and hopper["tma_loads"] > 0, hopper
+    assert hopper["register_handoffs"] > 0 and hopper["cta_barriers"] == 0, hopper
     # the Gluon experiment (dev/gluon_prefill.py) keeps one product in flight under the softmax, without spilling
     gluon = report["gluon"]
     assert 1 in gluon["waits"] and gluon["spill_stores"] == 0 and gluon["tma_loads"] > 0, gluon

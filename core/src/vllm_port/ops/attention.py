@@ -527,6 +527,38 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
         case("soft cap 30", [9, 17], [4, 0], 4, 2, cap=30.0),
         case("llama3-8b prefill", [128, 37], [0, 64], 32, 8, head_size=128),
         case("llama3-8b prefill, block size 128", [200, 37], [0, 100], 32, 8, head_size=128, block_size=128),
+        # the shapes Hopper's prefill kernel serves (head 128, blocks of 128 tokens or a multiple): several key
+        # tiles, ragged ends, a padded sequence, blocks holding two tiles, a fused query over interleaved caches
+        case(
+            "head 128, block size 128: ragged, prefixes, gqa 8",
+            [129, 1, 260],
+            [255, 0, 130],
+            8,
+            1,
+            head_size=128,
+            block_size=128,
+        ),
+        case(
+            "head 128, block size 128: a padded sequence",
+            [130, 5],
+            [0, 0],
+            4,
+            2,
+            head_size=128,
+            block_size=128,
+            padded=(1,),
+        ),
+        case(
+            "head 128, block size 256, gqa 1: fused query, interleaved caches",
+            [257, 31],
+            [0, 99],
+            2,
+            2,
+            head_size=128,
+            block_size=256,
+            fused=True,
+            interleaved=True,
+        ),
         case(
             "block size 128, window 50, interleaved caches",
             [150, 9],

@@ -1,4 +1,5 @@
-"""CUDA providers: the shared Triton kernels, launched with the configuration of the GPUs present.
+"""CUDA providers: the shared Triton kernels, launched with the configuration of the GPUs present, and on Hopper
+(sm_90) the Gluon prefill attention (:mod:`vllm_port_cuda.hopper_prefill`).
 
 The tiles of the attention kernels must fit a multiprocessor's shared memory, which differs threefold
 across NVIDIA's parts, and their TMA loads need Hopper. :func:`target_for` picks the Triton target
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 #: Above the CPU plugin's torch providers (10) and the reference; a vendor library may go higher.
 TRITON_PRIORITY = 20
+#: The Hopper prefill kernel goes above the Triton one it falls back to.
+HOPPER_PRIORITY = 25
 
 #: The most shared memory one block may opt into, in KiB, per compute capability (NVIDIA's CUDA C++
 #: Programming Guide, "Technical Specifications per Compute Capability").
@@ -94,7 +97,54 @@ def visible_capabilities() -> list[tuple[int, int]]:
 
 
 def providers() -> list[Provider]:
-    """Every Triton provider, configured for the visible GPUs (:func:`target_for`; imports triton)."""
+    """Every Triton provider, configured for the visible GPUs (:func:`target_for`; imports triton), and the Hopper
+    prefill where every visible GPU is an sm_90 part (:func:`hopper_providers`)."""
     from vllm_port.kernels.triton import providers as triton_providers
 
-    return triton_providers(target_for(visible_capabilities()), TRITON_PRIORITY)
+    capabilities = visible_capabilities()
+    found = triton_providers(target_for(capabilities), TRITON_PRIORITY)
+    return found + hopper_providers(capabilities, found)
+
+
+def hopper_providers(capabilities: Sequence[tuple[int, int]], triton_found: Sequence[Provider]) -> list[Provider]:
+    """The Gluon prefill attention (:mod:`vllm_port_cuda.hopper_prefill`) where every visible GPU is sm_90 (its
+    ``wgmma`` is Hopper's alone) and Triton has Gluon; else none.
+
+    It serves bf16 and fp16. An input outside its scope (:func:`~vllm_port_cuda.hopper_prefill.unsupported`: another
+    head size, 16-token blocks, a window or soft cap...) runs the Triton provider of ``triton_found`` instead: a
+    provider must serve every valid input of the dtypes it claims.
+    """
+    if not capabilities or any(major != 9 for major, _ in capabilities):
+        return []
+    try:
+        from . import hopper_prefill
+    except ImportError:  # a Triton without Gluon's Hopper API (before 3.5)
+        return []
+    import torch
+
+    from vllm_port.ops.attention import check_prefill_attention
+
+    fallback = next(p for p in triton_found if p.op == "prefill_attention")
+
+    def prefill_attention(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_query_len: int,
+        scale: float,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+    ) -> torch.Tensor:
+        """Causal varlen attention over the paged cache: the Hopper kernel, or the Triton one outside its scope."""
+        args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale)
+        check_prefill_attention(*args, sliding_window, soft_cap)
+        if query.device.type != "cuda" or hopper_prefill.unsupported(query, key_cache, value_cache, sliding_window,
+                                                                     soft_cap):  # fmt: skip
+            return fallback.fn(*args, sliding_window, soft_cap)
+        return hopper_prefill.hopper_prefill_attention(*args)
+
+    name, dtypes = "gluon_hopper_prefill_attention", frozenset({torch.bfloat16, torch.float16})
+    return [Provider("prefill_attention", name, prefill_attention, HOPPER_PRIORITY, dtypes, fallback.supports)]
