@@ -48,6 +48,7 @@ from tune_attention import HEAD, HEADS, KV_HEADS, decode, graph_cold_us, prefill
 from vllm_port.bench._timing import copy_bandwidth_gbs
 from vllm_port.kernels.triton import attention as attention_module
 from vllm_port.kernels.triton.attention import AttentionKernels
+from vllm_port.ops import Provider
 from vllm_port.ops.attention import check_prefill_attention
 from vllm_port_cuda.ops import target_for, visible_capabilities
 
@@ -86,19 +87,26 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 
 def probe_launch() -> None:
     print("== launch: host microseconds per eager call (no device wait)", flush=True)
-    cases = {
-        "prefill 1k block128 (TMA)": (prefill(1024, 128, "cuda")[0], "prefill_attention"),
-        "prefill 1k block16 (gather)": (prefill(1024, 16, "cuda")[0], "prefill_attention"),
-        "decode 1x32k block128 (TMA)": (decode(1, 32768, "cuda", 128)[0], "paged_attention"),
-        "decode 1x32k block16 (gather)": (decode(1, 32768, "cuda", 16)[0], "paged_attention"),
-    }
+    from vllm_port_cuda.ops import hopper_providers
+
     kernels = AttentionKernels(TARGET)
+    prefill_128, prefill_16 = prefill(1024, 128, "cuda")[0], prefill(1024, 16, "cuda")[0]
+    hopper = hopper_providers([torch.cuda.get_device_capability()], [Provider("prefill_attention", "triton",
+                              kernels.prefill_attention)])  # fmt: skip
+    cases = {
+        "prefill 1k block128 (Triton, TMA)": (kernels.prefill_attention, prefill_128, "prefill_attention"),
+        "prefill 1k block16 (Triton, gather)": (kernels.prefill_attention, prefill_16, "prefill_attention"),
+        "decode 1x32k block128 (TMA)": (kernels.paged_attention, decode(1, 32768, "cuda", 128)[0], "paged_attention"),
+        "decode 1x32k block16 (gather)": (kernels.paged_attention, decode(1, 32768, "cuda", 16)[0], "paged_attention"),
+    }
+    if hopper:  # the CUDA plugin's provider on sm_90: checks, scope, Gluon descriptors and launch
+        cases["prefill 1k block128 (Hopper provider)"] = (hopper[0].fn, prefill_128, "prefill_attention")
+        cases["prefill 1k block16 (Hopper provider)"] = (hopper[0].fn, prefill_16, "prefill_attention")
     block_n = {  # the key tile each op's descriptors are built for, as its launcher chooses it
         "prefill_attention": attention_module._tiles(TARGET, HEAD, 2)[1],
         "paged_attention": attention_module._tiles(TARGET, HEAD, 2, decode=True)[1],
     }
-    for label, (args, op) in cases.items():
-        fn = getattr(kernels, op)
+    for label, (fn, args, op) in cases.items():
         for _ in range(10):
             fn(*args)
         torch.cuda.synchronize()
@@ -128,6 +136,9 @@ def probe_launch() -> None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
         print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()), flush=True)
+    for label in [label for label in cases if label.startswith("prefill 1k block128")] * 2:  # do_bench, alternated
+        fn, args, _ = cases[label]
+        row(section="launch", case=label, do_bench_us=do_bench_us(lambda fn=fn, args=args: fn(*args)))
 
 
 # ------------------------------------------------------------------------------------------------

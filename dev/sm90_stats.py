@@ -140,15 +140,16 @@ def compile_gluon_prefill(group: int = 4, block_size: int = 128) -> KernelStats:
 
 def compile_hopper_prefill(group: int = 4, block_size: int = 128) -> KernelStats:
     """Compile the CUDA plugin's Hopper prefill (``vllm_port_cuda.hopper_prefill``, Gluon, warp-specialised) for
-    sm_90: bf16, 3-D K/V descriptors, ping-pong on."""
+    sm_90: bf16, 3-D K/V descriptors (one box a key tile, or one a block for blocks under 128 tokens), ping-pong on."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from vllm_port_cuda import hopper_prefill as h
 
     q_layout = gl.NVMMASharedLayout.get_default_for([h.ROWS, h.HEAD], gl.bfloat16)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([1, h.TILE, h.HEAD], gl.bfloat16)
-    kv_desc = f"tensordesc<bf16[1,{h.TILE},{h.HEAD}],{kv_layout!r}>"
+    box = min(block_size, h.TILE)  # blocks smaller than a tile: a box a block
+    kv_layout = gl.NVMMASharedLayout.get_default_for([1, box, h.HEAD], gl.bfloat16)
+    kv_desc = f"tensordesc<bf16[1,{box},{h.HEAD}],{kv_layout!r}>"
     signature = {
         "q_desc": f"tensordesc<bf16[{h.ROWS},{h.HEAD}],{q_layout!r}>",
         "k_desc": kv_desc,
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = (
             ("shipped", compile_prefill()),
             ("hopper", compile_hopper_prefill()),
+            ("hopper_block16", compile_hopper_prefill(block_size=16)),
             ("gluon", compile_gluon_prefill()),
         )
         for name, stats in kernels:

@@ -40,6 +40,9 @@ def test_the_hopper_kernels_use_tma_and_wgmma_as_designed():
     hopper = report["hopper"]
     assert 1 in hopper["waits"] and hopper["spill_stores"] == 0 and hopper["tma_loads"] > 0, hopper
     assert hopper["register_handoffs"] > 0 and hopper["cta_barriers"] == 0, hopper
+    # 16-token blocks: eight TMA boxes a key tile (four times the loads), still without spilling
+    block16 = report["hopper_block16"]
+    assert block16["tma_loads"] > hopper["tma_loads"] and block16["spill_stores"] == 0, block16
     # the Gluon experiment (dev/gluon_prefill.py) keeps one product in flight under the softmax, without spilling
     gluon = report["gluon"]
     assert 1 in gluon["waits"] and gluon["spill_stores"] == 0 and gluon["tma_loads"] > 0, gluon

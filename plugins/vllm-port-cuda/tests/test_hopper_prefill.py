@@ -71,7 +71,10 @@ def test_bound_on_hopper_only(gpus, bound):
         ({"block_size": 256}, None),
         ({"dtype": torch.float16}, None),
         ({"dtype": torch.float32}, "bf16 or fp16"),
-        ({"block_size": 16}, "multiple of 128"),
+        ({"block_size": 16}, None),  # a TMA box a block, eight a key tile
+        ({"block_size": 64}, None),
+        ({"block_size": 8}, "16, 32, 64 or a multiple of 128"),
+        ({"block_size": 48}, "16, 32, 64 or a multiple of 128"),
         ({"head": 64}, "head 128"),
     ],
 )
@@ -94,7 +97,7 @@ def test_outside_the_gpu_or_its_scope_the_triton_kernel_runs():
     (provider,) = ops.hopper_providers([(9, 0)], [_triton_stub(calls)])
     args = _inputs([5, 3], [3, 0])
     provider.fn(*args)  # CPU tensors
-    provider.fn(*_inputs([5], [3], block_size=16))
+    provider.fn(*_inputs([5], [3], block_size=8))
     assert len(calls) == 2 and calls[0][:8] == args and calls[0][8:] == (0, 0.0)
 
 
@@ -119,6 +122,12 @@ GPU_CASES = {
     "gqa 8, 256-token blocks": dict(q_lens=[129, 400], prefixes=[255, 0], heads=16, kv_heads=2, block_size=256),
     "interleaved caches, fused query": dict(q_lens=[257, 31], prefixes=[0, 99], interleaved=True, fused=True),
     "int64 metadata": dict(q_lens=[150, 60], prefixes=[10, 128], int64=True),
+    "16-token blocks, ragged, prefixes": dict(q_lens=[200, 77, 1, 300], prefixes=[77, 300, 500, 0], block_size=16),
+    "32-token blocks, gqa 8": dict(q_lens=[129, 400], prefixes=[255, 0], heads=16, kv_heads=2, block_size=32),
+    "64-token blocks, fused query, interleaved caches": dict(
+        q_lens=[257, 31], prefixes=[0, 99], block_size=64, interleaved=True, fused=True
+    ),
+    "512-token blocks, fp16": dict(q_lens=[700, 3], prefixes=[383, 0], block_size=512, dtype=torch.float16),
     "2048 after a 1024 prefix": dict(q_lens=[2048], prefixes=[1024]),
 }
 

@@ -1,4 +1,4 @@
-# ruff: noqa: N803  (Gluon's constexpr parameters and layouts are upper case)
+# ruff: noqa: N803, N806  (Gluon's constexpr parameters and layouts are upper case)
 """Prefill attention for Hopper (sm_90): FlashAttention-3's schedule, written in Gluon, over the paged cache.
 
 Triton 3.6 waits for every ``wgmma`` before the softmax reads its scores, so the shared Triton kernel overlaps
@@ -21,8 +21,8 @@ Shared memory: Q ``[2, 64, 128]`` and K, V ``[2, 128, 128]`` each (160 KiB, one 
 diagonal tile is masked; value rows past a sequence's end (they may hold anything, NaN included) are zeroed in
 shared memory before their product. Scope (:func:`unsupported` says why an input is outside it, and the CUDA
 plugin's provider then runs the shared Triton kernel): bf16/fp16, head 128, causal without window or soft cap,
-cache blocks a multiple of 128 tokens whose rows of ``kv_heads * 128`` features are contiguous (any block
-stride: separate or interleaved caches), queries whose heads are contiguous (a fused QKV slice included).
+cache blocks of 16 to 64 tokens (several TMA boxes a key tile, gathered through the block table) or a multiple of
+128 whose rows of ``kv_heads * 128`` features are contiguous (any block stride: separate or interleaved caches), queries whose heads are contiguous (a fused QKV slice included).
 Measured on one H200 against cuDNN (``docs/results/attention-h200.md``).
 """
 
@@ -51,31 +51,46 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _tile_coords(table, tile, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr):
-    """Cache block and offset in it where key tile ``tile`` of the sequence starts (a tile lies inside a block)."""
-    start = tile * TILE
-    return gl.load(table + start // BLOCK_SIZE).to(gl.int32), start % BLOCK_SIZE  # int64 tables too
+def _load_kv_tile(desc, table, j, seq_len, bar, dst, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
+                  HEAD: gl.constexpr, kv_col):  # fmt: skip
+    """Key or value tile ``j`` of the sequence into ``dst`` (``[1, TILE, HEAD]``), completing on ``bar``.
+
+    Blocks of ``TILE`` tokens or a multiple: one TMA box inside one block. Smaller blocks: one box a block, the
+    tile's blocks gathered from the block table. A box wholly past the sequence's end (the last tile only) loads
+    the sequence's last block again, never an entry past its row: its rows are masked by the consumers (keys by
+    position, values zeroed in the last tile), and the barrier always expects a whole tile's bytes.
+    """
+    BOX: gl.constexpr = TILE if BLOCK_SIZE >= TILE else BLOCK_SIZE
+    BOXES: gl.constexpr = TILE // BOX
+    start = j * TILE
+    mbarrier.expect(bar, TILE * HEAD * 2)
+    if BOXES == 1:
+        block = gl.load(table + start // BLOCK_SIZE).to(gl.int32)  # int64 tables too; TMA coordinates are int32
+        tma.async_copy_global_to_shared(desc, [block, start % BLOCK_SIZE, kv_col], bar, dst)
+    else:
+        last = (seq_len - 1) // BOX  # the sequence's last block
+        for b in gl.static_range(BOXES):
+            block = gl.load(table + gl.minimum(start // BOX + b, last)).to(gl.int32)
+            tma.async_copy_global_to_shared(desc, [block, 0, kv_col], bar, dst.slice(b * BOX, BOX, dim=1))
 
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-             table, q_row, q_col, kv_col, n_tiles, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
+             table, q_row, q_col, kv_col, n_tiles, seq_len, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
              ROWS: gl.constexpr, HEAD: gl.constexpr):  # fmt: skip
     """The producer warp: Q's two halves, then key and value tile ``j`` into buffer ``j % 2`` once it is free."""
-    tile_bytes: gl.constexpr = TILE * HEAD * 2
     mbarrier.expect(q_bar, 2 * ROWS * HEAD * 2)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, q_col], q_bar, q_smem.index(1))
     for j in range(n_tiles):
         stage = j % 2
         free = ((j // 2) & 1) ^ 1  # a fresh barrier counts as freed once: the first two waits pass at once
-        block, offset = _tile_coords(table, j, BLOCK_SIZE, TILE)
         mbarrier.wait(k_empty.index(stage), free)
-        mbarrier.expect(k_full.index(stage), tile_bytes)
-        tma.async_copy_global_to_shared(k_desc, [block, offset, kv_col], k_full.index(stage), k_smem.index(stage))
+        _load_kv_tile(k_desc, table, j, seq_len, k_full.index(stage), k_smem.index(stage), BLOCK_SIZE, TILE, HEAD,
+                      kv_col)  # fmt: skip
         mbarrier.wait(v_empty.index(stage), free)
-        mbarrier.expect(v_full.index(stage), tile_bytes)
-        tma.async_copy_global_to_shared(v_desc, [block, offset, kv_col], v_full.index(stage), v_smem.index(stage))
+        _load_kv_tile(v_desc, table, j, seq_len, v_full.index(stage), v_smem.index(stage), BLOCK_SIZE, TILE, HEAD,
+                      kv_col)  # fmt: skip
 
 
 @gluon.jit
@@ -260,8 +275,8 @@ def _hopper_prefill_kernel(q_desc, k_desc, v_desc, out_ptr, block_tables_ptr, cu
                             PINGPONG, out_ptr, q_start, q_len, m0, first, seq_len, n_tiles, n_full, qk_scale,
                             stride_ot, stride_oh, head, TILE, ROWS, HEAD)),
                 (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-                            table, q_start + m0, head * HEAD, (head // GROUP) * HEAD, n_tiles, BLOCK_SIZE, TILE,
-                            ROWS, HEAD)),
+                            table, q_start + m0, head * HEAD, (head // GROUP) * HEAD, n_tiles, seq_len, BLOCK_SIZE,
+                            TILE, ROWS, HEAD)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
             # fmt: on
         else:  # a padded sequence (no cached token): the contract wants zeros
@@ -274,25 +289,32 @@ def unsupported(
     value_cache: torch.Tensor,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
+    max_query_len: int = 0,
 ) -> str | None:
     """Why the kernel cannot serve these (already validated) inputs, or None. Reads shapes and strides only."""
     if query.dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 or fp16 only (got {query.dtype})"
-    if query.shape[-1] != HEAD:
-        return f"head {HEAD} only (got {query.shape[-1]})"
+    num_tokens, num_heads, head = query.shape
+    if head != HEAD:
+        return f"head {HEAD} only (got {head})"
     if sliding_window or soft_cap:
         return "causal attention without a window or soft cap only"
+    if triton.cdiv(min(max_query_len, num_tokens), TILE) > 65535:  # the grid's z extent
+        return f"at most {65535 * TILE} query tokens a sequence"
+    size = query.element_size()
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _, block_size, kv_heads, head = cache.shape
+        _, block_size, kv_heads, _ = cache.shape
         stride_block, stride_slot, stride_head, stride_feature = cache.stride()
-        if block_size % TILE:
-            return f"cache blocks a multiple of {TILE} tokens only (got {block_size})"
-        if (stride_feature, stride_head, stride_slot) != (1, head, kv_heads * head) or (stride_block * 2) % 16:
+        if block_size % TILE and (TILE % block_size or block_size < 16):  # 8-token boxes: 16 a tile, and spills
+            return f"cache blocks of 16, 32, 64 or a multiple of {TILE} tokens only (got {block_size})"
+        if (stride_feature, stride_head, stride_slot) != (1, HEAD, kv_heads * HEAD):
             return f"{name}: a block's rows of kv_heads * head features contiguous only (strides {cache.stride()})"
-        if cache.data_ptr() % 16:
-            return f"{name}: a 16-byte aligned base only"
-    if query.stride(-1) != 1 or query.stride(1) != HEAD or (query.stride(0) * 2) % 16 or query.data_ptr() % 16:
+        if stride_block < block_size * kv_heads * HEAD or (stride_block * size) % 16 or cache.data_ptr() % 16:
+            return f"{name}: blocks apart and 16-byte aligned only (block stride {stride_block})"
+    if query.stride(-1) != 1 or query.stride(1) != HEAD or query.stride(0) < num_heads * HEAD:
         return f"a query whose heads are contiguous rows only (strides {query.stride()})"
+    if (query.stride(0) * size) % 16 or query.data_ptr() % 16:
+        return "a 16-byte aligned query only"
     return None
 
 
@@ -309,15 +331,16 @@ def hopper_prefill_attention(query, key_cache, value_cache, block_tables, cu_seq
         return out
     dtype = gl.bfloat16 if query.dtype == torch.bfloat16 else gl.float16
     q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([1, TILE, HEAD], dtype)
+    box = min(block_size, TILE)  # smaller blocks: a box a block, several a tile
+    kv_layout = gl.NVMMASharedLayout.get_default_for([1, box, HEAD], dtype)
     q_desc = TensorDescriptor(query, [num_tokens, num_heads * HEAD], [query.stride(0), 1], [ROWS, HEAD], q_layout)
     kv_shape = [num_blocks, block_size, kv_heads * HEAD]
     k_desc, v_desc = (
-        TensorDescriptor(cache, kv_shape, [cache.stride(0), kv_heads * HEAD, 1], [1, TILE, HEAD], kv_layout)
+        TensorDescriptor(cache, kv_shape, [cache.stride(0), kv_heads * HEAD, 1], [1, box, HEAD], kv_layout)
         for cache in (key_cache, value_cache)
     )
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    grid = (num_heads, seq_lens.shape[0], triton.cdiv(max_query_len, TILE))
+    grid = (num_heads, seq_lens.shape[0], triton.cdiv(min(max_query_len, num_tokens), TILE))
     _hopper_prefill_kernel[grid](
         q_desc, k_desc, v_desc, out, block_tables, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
         float(scale) * LOG2E, out.stride(0), out.stride(1), block_tables.stride(0),

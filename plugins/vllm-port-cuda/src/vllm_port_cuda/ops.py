@@ -141,8 +141,8 @@ def hopper_providers(capabilities: Sequence[tuple[int, int]], triton_found: Sequ
         """Causal varlen attention over the paged cache: the Hopper kernel, or the Triton one outside its scope."""
         args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale)
         check_prefill_attention(*args, sliding_window, soft_cap)
-        if query.device.type != "cuda" or hopper_prefill.unsupported(query, key_cache, value_cache, sliding_window,
-                                                                     soft_cap):  # fmt: skip
+        why = hopper_prefill.unsupported(query, key_cache, value_cache, sliding_window, soft_cap, max_query_len)
+        if why or query.device.type != "cuda":
             return fallback.fn(*args, sliding_window, soft_cap)
         return hopper_prefill.hopper_prefill_attention(*args)
 
