@@ -28,6 +28,8 @@ Measured on one H200 against cuDNN (``docs/results/attention-h200.md``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -318,6 +320,16 @@ def unsupported(
     return None
 
 
+@functools.cache
+def _layouts(dtype: torch.dtype, box: int) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """Shared-memory layouts of the query and key/value boxes (made once: they cost microseconds a launch)."""
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (
+        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD], element),
+        gl.NVMMASharedLayout.get_default_for([1, box, HEAD], element),
+    )
+
+
 def hopper_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len,
                              scale, *, pingpong: bool = True) -> torch.Tensor:  # fmt: skip
     """``prefill_attention`` (causal, no window or soft cap) for inputs :func:`unsupported` accepts, already checked
@@ -329,10 +341,8 @@ def hopper_prefill_attention(query, key_cache, value_cache, block_tables, cu_seq
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or seq_lens.shape[0] == 0:
         return out
-    dtype = gl.bfloat16 if query.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD], dtype)
     box = min(block_size, TILE)  # smaller blocks: a box a block, several a tile
-    kv_layout = gl.NVMMASharedLayout.get_default_for([1, box, HEAD], dtype)
+    q_layout, kv_layout = _layouts(query.dtype, box)
     q_desc = TensorDescriptor(query, [num_tokens, num_heads * HEAD], [query.stride(0), 1], [ROWS, HEAD], q_layout)
     kv_shape = [num_blocks, block_size, kv_heads * HEAD]
     k_desc, v_desc = (
