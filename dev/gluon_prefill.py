@@ -1,6 +1,10 @@
 # ruff: noqa: N803  (Gluon's constexpr parameters and layouts are upper case)
-"""EXPERIMENT, not run on a GPU yet: causal prefill over the paged cache in Gluon, with FlashAttention-3's
-intra-warpgroup overlap. ``dev/probe_hopper.py --sections gluon`` checks it against math SDPA, then times it.
+"""EXPERIMENT (kept for the record): causal prefill over the paged cache in Gluon, with FlashAttention-3's
+intra-warpgroup overlap. It ran correct on the H200 but 4-6% slower than the Triton kernel at 4k-16k tokens
+(``docs/results/h200/probe-gluon-tma-h200-run1.txt``): every warp issues its own loads, so the compiler guards each
+buffer's reuse with a CTA-wide ``bar.sync`` and the two warpgroups run in lockstep. Its warp-specialised successor,
+``vllm_port_cuda.hopper_prefill``, is what the CUDA plugin binds on sm_90. ``dev/probe_hopper.py --sections gluon
+--gluon tma`` checks this one against the op's reference, then times it.
 
 Why Gluon: Triton 3.6 waits for every ``wgmma`` before the softmax touches its scores (``dev/sm90_stats.py``),
 so no warp runs exponentials under its own tensor-core work; the shipped kernel gets its overlap only from a

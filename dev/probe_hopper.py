@@ -314,7 +314,9 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--sections", default="launch,prefill,decode")
     parser.add_argument("--lengths", default="1024,4096,8192,16384")
-    parser.add_argument("--gluon", default="tma", help="the Gluon experiment the gluon section runs: tma, ws or ws_pp")
+    parser.add_argument(
+        "--gluon", default="ws_pp", help="the Gluon kernel the gluon section runs: ws_pp (shipped), ws, tma"
+    )
     opts = parser.parse_args()
     sections = set(opts.sections.split(","))
     print(
