@@ -103,3 +103,29 @@ def test_two_devices_in_tensor_parallel_equal_one(setup, device_runtime):
     model_dir, batch, params, want = setup
     with LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, tensor_parallel_size=2) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want
+
+
+def test_hopper_prefill_in_the_engine_equals_the_triton_kernel(tmp_path, device_runtime, monkeypatch):
+    """On sm_90 the CUDA plugin binds its Gluon prefill for bf16 models of head 128: the engine's greedy tokens
+    (prompts of several key tiles, with chunked prefill) equal those with the Triton prefill bound instead."""
+    if not any(
+        p.name == "gluon_hopper_prefill_attention" for p in device_runtime.registry.candidates("prefill_attention")
+    ):
+        pytest.skip("the Hopper prefill is bound on sm_90 GPUs only")
+    monkeypatch.setitem(CONFIG, "hidden_size", 512)  # 4 heads of 128
+    monkeypatch.setitem(CONFIG, "max_position_embeddings", 512)
+    model_dir = write_checkpoint(tmp_path / "head128")
+    gen = torch.Generator().manual_seed(2)
+    batch = [torch.randint(5, 512, (n,), generator=gen).tolist() for n in (300, 129, 40, 1, 200)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(prefill: str | None) -> list[list[int]]:
+        if prefill:
+            monkeypatch.setenv("VLLM_PORT_OP_PROVIDERS", f"prefill_attention={prefill}")
+        llm = LLM(str(model_dir), device=device_runtime, dtype="bfloat16", kv_cache_memory=64 << 20, swap_space=0,
+                  max_num_batched_tokens=256)  # fmt: skip
+        expected = prefill or "gluon_hopper_prefill_attention"
+        assert llm.provider_per_op["prefill_attention"] == expected
+        return [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+
+    assert tokens(None) == tokens("triton_prefill_attention")
