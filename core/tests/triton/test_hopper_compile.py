@@ -43,6 +43,7 @@ def test_the_hopper_kernels_use_tma_and_wgmma_as_designed():
     # 16-token blocks: eight TMA boxes a key tile (four times the loads), still without spilling
     block16 = report["hopper_block16"]
     assert block16["tma_loads"] > hopper["tma_loads"] and block16["spill_stores"] == 0, block16
+    assert 1 in block16["waits"] and block16["register_handoffs"] > 0 and block16["cta_barriers"] == 0, block16
     # the Gluon experiment (dev/gluon_prefill.py) keeps one product in flight under the softmax, without spilling
     gluon = report["gluon"]
     assert 1 in gluon["waits"] and gluon["spill_stores"] == 0 and gluon["tma_loads"] > 0, gluon
