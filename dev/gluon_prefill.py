@@ -44,6 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from vllm_port_cuda.hopper_prefill import _online_softmax  # the shipped kernel's softmax step, the same math
+
 __all__ = ["BLOCK_M", "BLOCK_N", "HEAD", "gluon_prefill", "supported"]
 
 HEAD = 128
@@ -183,23 +185,6 @@ def _gluon_prefill_kernel(
         ptrs = out_ptr + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
         ptrs = ptrs + gl.expand_dims(cols, 0)
         gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(rows < q_len, 1))
-
-
-@gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale, q_pos, offs_n, tile, seq_len, n_full, BLOCK_N: gl.constexpr):
-    """Probabilities of one tile's scores (base 2, unnormalised), the new maxima and sums, and the rescale."""
-    if tile >= n_full:  # the diagonal: keys after a row's position (or past the sequence) are not seen
-        k_pos = tile * BLOCK_N + offs_n
-        seen = (gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(k_pos < seq_len, 0)
-        s = gl.where(seen, s * qk_scale, float("-inf"))
-    else:
-        s = s * qk_scale
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row past the queries sees nothing
-    p = gl.exp2(s - gl.expand_dims(m_use, 1))
-    alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, m_new, l_i, alpha
 
 
 @gluon.jit
