@@ -5,6 +5,10 @@ and checks that every tensor the config implies is there with the right shape an
 any problem is a :class:`ModelLoadError` raised before one byte of weights moves. The second pass
 opens one shard at a time and moves its tensors one by one to the device in the target dtype, so
 host memory holds one tensor, never the model (the file itself is memory-mapped, not read whole).
+Each tensor is checked for NaN and Inf where it lands (one ``aminmax`` pass, about as fast as a
+copy; the flags of one shard are read in one host synchronisation): a model with them generates
+garbage that looks like an answer, so such a tensor is refused, naming it and its file.
+``VLLM_PORT_CHECK_WEIGHTS=0`` skips the pass.
 
 Trust: a checkpoint is data from elsewhere, so nothing in it runs and nothing it names leaves the
 directory. Pickled checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are never opened: unpickling
@@ -25,11 +29,16 @@ from typing import NoReturn
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, SelectionError
 from ..ops import FLOAT_DTYPES
 from .config import ModelConfig, model_file, read_json
 
-__all__ = ["WeightSpec", "check_fits", "expected_weights", "load_weights"]
+__all__ = ["CHECK_WEIGHTS_ENV", "WeightSpec", "check_fits", "checking_weights", "expected_weights", "load_weights"]
+
+#: ``VLLM_PORT_CHECK_WEIGHTS=0`` loads weights without looking for NaN and Inf in them (on by default).
+CHECK_WEIGHTS_ENV = "VLLM_PORT_CHECK_WEIGHTS"
+_ON = ("", "1", "on", "true", "yes")
+_OFF = ("0", "off", "false", "no")
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -243,6 +252,49 @@ def _to_target(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -
     return tensor.to(device=device, dtype=dtype)
 
 
+def checking_weights() -> bool:
+    """Whether loading looks for NaN and Inf in the weights (``VLLM_PORT_CHECK_WEIGHTS``, default on).
+
+    :raises SelectionError: for a value that is not a switch.
+    """
+    raw = os.environ.get(CHECK_WEIGHTS_ENV, "").strip().lower()
+    if raw in _ON or raw in _OFF:
+        return raw in _ON
+    raise SelectionError(
+        f"{CHECK_WEIGHTS_ENV}={raw!r} is not a switch; set it to 1 (refuse weights holding NaN or Inf, the default) "
+        "or 0 (load them unchecked)"
+    )
+
+
+def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on the tensor's device: no NaN and no Inf in it (min and max propagate NaN; no copy is made)."""
+    if tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    low, high = torch.aminmax(tensor)
+    return low.isfinite() & high.isfinite()
+
+
+def _refuse_non_finite(path: Path, name: str, loaded: torch.Tensor, tag: str) -> NoReturn:
+    """Say what is not finite in ``loaded`` (tensor ``name`` of ``path``): in the file, or from the conversion."""
+    nan, inf = loaded.isnan(), loaded.isinf()
+    index = tuple(int(i) for i in (nan | inf).nonzero()[0])
+    counts = f"{int(nan.sum()):,} NaN and {int(inf.sum()):,} infinite value(s) of {loaded.numel():,}"
+    with safe_open(str(path), framework="pt") as f:
+        stored = f.get_tensor(name)
+    if bool(_all_finite(stored)):  # finite in the file: converting to a narrower dtype overflowed
+        biggest = float(stored.abs().max())
+        limit = torch.finfo(loaded.dtype).max
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} is finite in the file ({tag}), but {counts} overflow "
+            f"{str(loaded.dtype).removeprefix('torch.')} (its largest magnitude is {biggest:.4g}, the dtype holds at most "
+            f"{limit:.4g}; first at index {index}); load in a wider dtype (dtype='float32' or 'bfloat16')"
+        )
+    raise ModelLoadError(
+        f"{path}: tensor {name!r} holds {counts} (first at index {index}, {float(loaded[index])}); a model with them "
+        f"generates garbage. Re-download or re-save the checkpoint; {CHECK_WEIGHTS_ENV}=0 loads it anyway"
+    )
+
+
 def load_weights(
     model_dir: str | os.PathLike[str], config: ModelConfig, device: torch.device | str, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -253,10 +305,12 @@ def load_weights(
     read (``rotary_emb.inv_freq`` of old checkpoints, a tied ``lm_head``) are skipped.
 
     :raises ModelLoadError: for a dtype the ops do not run, pickled-only or missing weights, a
-        missing, corrupt or truncated file, a missing tensor, a shape that disagrees with the config
-        or a non-float tensor; the message names the file and the tensor.
+        missing, corrupt or truncated file, a missing tensor, a shape that disagrees with the config,
+        a non-float tensor, or (unless ``VLLM_PORT_CHECK_WEIGHTS=0``) a tensor holding NaN or Inf
+        in the target dtype; the message names the file and the tensor.
     """
     check_dtype(dtype)
+    check = checking_weights()
     device = torch.device(device)
     specs = expected_weights(config)
     by_file, headers = _locate(Path(model_dir), specs)
@@ -269,4 +323,16 @@ def load_weights(
                     weights[name] = _to_target(f.get_tensor(name), device, dtype)
         except (SafetensorError, OSError) as exc:  # the file changed or broke after its header was read
             raise ModelLoadError(f"{path}: reading its tensors failed ({exc}); re-download or re-save it") from exc
+        if check:
+            _check_finite(path, names, weights, headers[path])
     return {name: weights[name] for name in specs}
+
+
+def _check_finite(path: Path, names: list[str], weights: dict[str, torch.Tensor], header: _Header) -> None:
+    """Refuse the first of ``path``'s loaded tensors that holds NaN or Inf: one host read for the whole shard."""
+    if not names:
+        return
+    flags = torch.stack([_all_finite(weights[name]) for name in names]).tolist()
+    for name, finite in zip(names, flags, strict=True):
+        if not finite:
+            _refuse_non_finite(path, name, weights[name], header[name][1])
