@@ -15,6 +15,8 @@ import torch
 from vllm_port import hookimpl
 from vllm_port.ops import provider, {ops}
 
+CALLS = {{}}  # calls per provider, for faults that strike now and then
+
 @hookimpl
 def vllm_port_api_range():
     return ">=1.0,<2"
@@ -53,6 +55,30 @@ FAULTS: dict[str, tuple[str, str]] = {
     "silu wrong shape": ("silu_and_mul", "return REF(x)[..., :-1].contiguous()"),
     "gelu wrong dtype": ("gelu_and_mul", "return REF(x, approximate).to(torch.float64)"),
     "linear NaN": ("linear", "out = REF(x, weight, bias)\n    out.view(-1)[0] = float('nan')\n    return out"),
+    # faults at run time that only values show (issue 25): NaN now and then, ids outside the vocabulary
+    "linear NaN every 11th": (
+        "linear",
+        "CALLS['linear'] = CALLS.get('linear', 0) + 1\n    out = REF(x, weight, bias)\n"
+        "    if CALLS['linear'] % 11 == 0:\n        out.view(-1)[0] = float('nan')\n    return out",
+    ),
+    "rms_norm NaN every 7th": (
+        "rms_norm",
+        "CALLS['rms_norm'] = CALLS.get('rms_norm', 0) + 1\n    out = REF(x, weight, epsilon)\n"
+        "    if CALLS['rms_norm'] % 7 == 0:\n        out.view(-1)[0] = float('nan')\n    return out",
+    ),
+    # the last row of the table read as NaN: only a request holding the last token id meets it
+    "embedding NaN last row": (
+        "embedding",
+        "out = REF(input_ids, weight)\n    out[input_ids == weight.shape[0] - 1] = float('nan')\n    return out",
+    ),
+    "sample id past the vocabulary": (
+        "sample",
+        "out = REF(logits, temperature, top_k, top_p, seeds)\n    out[-1] = logits.shape[1]\n    return out",
+    ),
+    "sample negative id": (
+        "sample",
+        "out = REF(logits, temperature, top_k, top_p, seeds)\n    out[-1] = -1\n    return out",
+    ),
     "rotary slow": (
         "rotary_embedding",
         "time.sleep(0.05)\n    return REF(positions, query, key, head_size, cos_sin_cache, is_neox)",
@@ -67,6 +93,7 @@ _SIGNATURES = {
     "gelu_and_mul": "x, approximate='none'",
     "linear": "x, weight, bias=None",
     "rotary_embedding": "positions, query, key, head_size, cos_sin_cache, is_neox",
+    "sample": "logits, temperature, top_k, top_p, seeds",
 }
 
 

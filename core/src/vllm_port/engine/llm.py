@@ -443,6 +443,11 @@ class LLM:
 
     def _advance(self, r: _Request) -> StreamOutput:
         seq = r.seq
+        if seq.finish_reason == "error":  # the step produced no token for it (TokenError): say why
+            text = r.detokenizer.flush() if r.detokenizer is not None else ""
+            r.text.append(text)
+            seq.error = f"request {r.index}: {seq.error}"
+            return StreamOutput(r.index, seq.request_id, [], text, "error", seq.error)
         token = seq.token_ids[-1]
         text = ""
         if r.detokenizer is not None:

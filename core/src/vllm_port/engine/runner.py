@@ -16,7 +16,15 @@ It owns the model, the bound kernels (``runtime.bind``), the paged KV cache and 
    instead of hundreds, which is what a batch-1 decode step on a GPU is bound by;
 4. the bound ``sample`` op on the device, seeds ``seed + step`` per request (a step whose rows
    are all greedy takes the argmax, lowest id on ties: what the op returns for such rows);
-5. reading the sampled ids: the step's only host synchronisation.
+5. reading the sampled ids, with a flag per row saying its logits are finite (computed on the
+   device, read in the same transfer): the step's only host synchronisation.
+
+No answer from non-finite values, and no id outside the vocabulary: a row whose logits hold NaN or
+Inf, or whose sampled id is not in ``[0, vocab_size)``, gets a :class:`~.scheduler.TokenError`
+in its token's place (the scheduler finishes that request with ``"error"``; the other rows go on).
+The message names the step; for non-finite logits in debug mode (``VLLM_PORT_CHECK``) the step is
+re-run with every op compared with its reference (:func:`~vllm_port.ops.debug.scrutinize`) to
+name the op that produced them; an id outside the vocabulary is blamed on the ``sample`` provider.
 """
 
 from __future__ import annotations
@@ -27,13 +35,13 @@ from typing import Any
 
 import torch
 
-from ..errors import MemoryContractError
+from ..errors import MemoryContractError, ProviderError
 from ..flat.capture import DecodeGraphs, padded_batch_sizes
 from ..memory import KVLayout
 from ..models import AttentionMetadata, LlamaModel, load_model
 from ..ops import BoundOps
-from ..ops.debug import blame
-from .scheduler import StepBatch
+from ..ops.debug import CheckedOp, blame, provider_fault, scrutinize
+from .scheduler import StepBatch, TokenError
 
 __all__ = ["ModelRunner", "StepFunction", "default_step", "eager_step", "flat_step"]
 
@@ -132,6 +140,10 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.ops = ops or runtime.bind(model.dtype)
+        #: the ops were bound here (a tensor-parallel rank's ops sum over ranks: a re-run on one rank would hang)
+        self._own_ops = ops is None
+        #: steps executed so far (error messages name the step)
+        self.num_steps = 0
         self.block_size = block_size
         c = model.config
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_size, block_size, model.dtype)
@@ -226,11 +238,16 @@ class ModelRunner:
 
     # --- one step ----------------------------------------------------------------------------------
 
-    def execute(self, batch: StepBatch) -> list[int]:
-        """Run one step; return the token sampled for each of ``batch.sample_rows``, in order."""
+    def execute(self, batch: StepBatch) -> list[int | TokenError]:
+        """Run one step; return the token sampled for each of ``batch.sample_rows``, in order.
+
+        A row whose logits are not finite, or whose sampled id is outside the vocabulary, gets a
+        :class:`TokenError` saying why instead of a token.
+        """
         self._migrate(batch)
         if not batch.query_lens:
             return []
+        self.num_steps += 1
         with torch.inference_mode(), blame(self.ops):  # a provider that raises is named (no cost otherwise)
             ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
             if self._captured(batch):  # rows are every sequence, in order
@@ -239,13 +256,84 @@ class ModelRunner:
                 logits = self.step(ids, positions, self.kv_caches, meta, rows)
             if not batch.sample_rows:
                 return []
+            # per row on the device: NaN and Inf make the float32 sum non-finite (so would finite logits
+            # past 1e34, which _non_finite_row tells apart): one read of the logits, no copy
+            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
             if any(batch.temperatures):
-                sampled = self.ops.sample(logits, temperature, top_k, top_p, seeds)
+                # the sample op's contract refuses NaN logits: such rows draw from zeros (their id is dropped)
+                usable = logits.masked_fill(~finite[:, None], 0.0)
+                sampled = self._checked_ids(self.ops.sample(usable, temperature, top_k, top_p, seeds), len(rows))
             else:  # every row greedy: the sample op's answer by contract, without its sort and noise
                 # widened first: exact, so the same ids and ties, and argmax over float32 is several
                 # times faster than over bfloat16/float16 on CPU (a few ms a step over 32000 columns)
                 sampled = logits.to(torch.promote_types(logits.dtype, torch.float32)).argmax(dim=-1)
-        return sampled.tolist()  # the one host synchronisation of the step
+            tokens, flags = torch.stack((sampled, finite.to(sampled.dtype))).tolist()  # the step's one host sync
+            vocab = logits.shape[-1]
+            if all(flags) and min(tokens) >= 0 and max(tokens) < vocab:
+                return tokens
+            return self._row_errors(
+                batch, logits, tokens, flags, lambda: self.step(ids, positions, self.kv_caches, meta, rows)
+            )
+
+    def _checked_ids(self, sampled: Any, rows: int) -> torch.Tensor:
+        """The sample op's answer, refused unless it is one integer id per row (metadata only: no sync)."""
+        if (
+            isinstance(sampled, torch.Tensor)
+            and sampled.shape == (rows,)
+            and not sampled.is_floating_point()
+            and not sampled.is_complex()
+        ):
+            return sampled
+        got = (
+            f"shape {tuple(sampled.shape)}, dtype {sampled.dtype}"
+            if isinstance(sampled, torch.Tensor)
+            else type(sampled).__name__
+        )
+        chosen = self.ops.providers["sample"]
+        raise ProviderError(
+            provider_fault(self.ops, "sample", f"returned {got}; the op returns int64 ids of shape [{rows}]"),
+            "sample",
+            chosen.name,
+            chosen.plugin,
+        )
+
+    def _row_errors(
+        self, batch: StepBatch, logits: torch.Tensor, tokens: list[int], flags: list[int], rerun: Callable[[], Any]
+    ) -> list[int | TokenError]:
+        """The step's tokens with a :class:`TokenError` for each row whose logits or id are bad (the rare path)."""
+        vocab, sampler = logits.shape[-1], any(batch.temperatures)
+        cause: list[str] = []  # the step's diagnosis, made once, at the first non-finite row
+        out: list[int | TokenError] = []
+        for row, (token, finite) in enumerate(zip(tokens, flags, strict=True)):
+            where = f"engine step {self.num_steps}, this request's token at position {batch.seq_lens[batch.sample_rows[row]]}"
+            if not finite:
+                if not cause:
+                    cause.append(self._non_finite_cause(rerun))
+                out.append(TokenError(f"{where}: {_non_finite_row(logits[row])}; {cause[0]}", cache_suspect=True))
+            elif not 0 <= token < vocab:
+                out.append(TokenError(f"{where}: {self._bad_id(token, vocab, sampler)}"))
+            else:
+                out.append(token)
+        return out
+
+    def _non_finite_cause(self, rerun: Callable[[], Any]) -> str:
+        """Which op produced the non-finite logits: debug mode re-runs the step to find it; else how to find it."""
+        checked = any(isinstance(getattr(self.ops, op), CheckedOp) for op in self.ops.providers)
+        if checked and self._own_ops:
+            return scrutinize(rerun).verdict()
+        if checked:
+            return "run with tensor_parallel_size=1 and VLLM_PORT_CHECK=1 to find the op that produced them"
+        return (
+            "the op that produced them is not known: run with VLLM_PORT_CHECK=1 (debug mode), which re-runs such a step "
+            "comparing every op with its reference and names the first one at fault"
+        )
+
+    def _bad_id(self, token: int, vocab: int, sampler: bool) -> str:
+        """The message for a sampled id outside ``[0, vocab)``: the ``sample`` provider's fault (or the engine's)."""
+        problem = f"returned token id {token} for this request, outside the vocabulary [0, {vocab})"
+        if not sampler:
+            return f"the engine's greedy argmax {problem}; please report this"
+        return provider_fault(self.ops, "sample", problem)
 
     def _migrate(self, batch: StepBatch) -> None:
         # Swaps happen under memory pressure only; waiting for them keeps the step's reads and the
@@ -300,6 +388,17 @@ class ModelRunner:
         if self._pinned:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
+
+
+def _non_finite_row(row: torch.Tensor) -> str:
+    """What is wrong with one row of logits whose float32 sum is not finite (read on the host: the rare path)."""
+    nan, inf = int(row.isnan().sum()), int(row.isinf().sum())
+    if nan or inf:
+        return f"its {row.numel():,} logits hold {nan:,} NaN and {inf:,} infinite value(s): no token can be drawn from them"
+    return (
+        f"its logits are finite but so large (largest magnitude {float(row.abs().max()):.3g}) that they sum past "
+        "float32's range: the model's activations blew up"
+    )
 
 
 def _budget(runtime: Any, kv_cache_memory: float | int, layout: KVLayout, max_tokens: int | None) -> float | int:

@@ -36,7 +36,21 @@ from ..errors import MemoryContractError
 from ..reclaimer import MemoryPressure, Reclaimer, RequestFacts, check_plan
 from .sequence import Sequence, SequenceStatus
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "StepBatch"]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "StepBatch", "TokenError"]
+
+
+@dataclass(frozen=True)
+class TokenError:
+    """A sampling row of a step that produced no token: the runner returns it in the token's place.
+
+    Attributes:
+        message: what went wrong (the step, the row's logits or id, who is at fault, how to find or fix it).
+        cache_suspect: the request's KV cache may hold the same bad values (NaN or Inf from the
+            forward): its blocks are not kept for prefix caching, so no later request reads them.
+    """
+
+    message: str
+    cache_suspect: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,14 +203,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """End ``seq`` (any status): its blocks go back to the pools (prefix blocks stay cached)."""
+    def finish(self, seq: Sequence, reason: str, error: str | None = None, *, keep_prefix: bool = True) -> None:
+        """End ``seq`` (any status): its blocks go back to the pools (prefix blocks stay cached, unless not ``keep_prefix``)."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
             self._unqueue(seq)
+        if not keep_prefix:
+            self._forget_prefix(seq)
         self._release(seq)
         if seq.swap_table:
             self.swap_pool.free(seq.swap_table)
@@ -238,12 +254,13 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: list[int | TokenError]) -> list[Sequence]:
         """Advance the step's sequences, append the sampled tokens (one per sampling sequence, in order).
 
-        Finishes sequences on a stop token, ``max_tokens`` or ``max_model_len``.
+        Finishes sequences on a stop token, ``max_tokens`` or ``max_model_len``, and with
+        ``"error"`` those whose row produced a :class:`TokenError` instead of a token.
 
-        :return: the sequences that got a token, in step order.
+        :return: the sequences that got a token or an error, in step order.
         """
         tokens = iter(sampled)
         grown: list[Sequence] = []
@@ -256,6 +273,10 @@ class Scheduler:
                 continue
             token = next(tokens)
             if seq.is_finished:  # aborted while the step ran: its token is dropped
+                continue
+            if isinstance(token, TokenError):
+                self.finish(seq, "error", token.message, keep_prefix=not token.cache_suspect)
+                grown.append(seq)
                 continue
             seq.append(token)
             grown.append(seq)
@@ -345,6 +366,13 @@ class Scheduler:
                 self._cached[table[i]] = hashes[i]
                 self._cached.move_to_end(table[i])
         seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def _forget_prefix(self, seq: Sequence) -> None:
+        """Drop the prefix hashes of the blocks only ``seq`` holds, so no later request hits them."""
+        for block in seq.block_table:
+            if self.pool.ref_count(block) == 1:
+                self.pool.copy_on_write(block)  # the only holder: the pool forgets the block's hash
         seq.num_registered_blocks = 0
 
     def _preempt(self, seq: Sequence, mode: str, out: SchedulerOutput) -> None:

@@ -20,7 +20,12 @@ Three tools, from free to thorough:
   (safetensors + JSON, under ``VLLM_PORT_CHECK_DIR``, replayed by ``vllm-port check-repro FILE``),
   the provider is **quarantined** for the rest of the process (this call and every later one go
   to the next candidate; later binds skip it too) and a warning names it. Strict mode refuses
-  the quarantine and raises instead.
+  the quarantine and raises instead. Quarantine takes evidence: a provider that raises is
+  quarantined only when the reference, on the same inputs, does not raise too (when it does, the
+  inputs are at fault: an :class:`~vllm_port.errors.OpInputError` says so and nobody is quarantined).
+* **Scrutiny** (:func:`scrutinize`, debug mode only): re-run a step, typically one whose logits
+  were not finite, with every call of every checked op compared with its reference, and name the
+  first op at fault, or the first whose output was not finite where the reference agrees.
 
 What debug mode does not see: calls inside a captured device graph (replays run no Python) or a
 compiled graph (``bind(traceable=True)`` is left unchecked); run such engines eagerly to check them.
@@ -35,7 +40,8 @@ import math
 import os
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, TracebackType
 from typing import TYPE_CHECKING, Any
@@ -45,6 +51,7 @@ import torch
 from ..errors import OpInputError, ProviderError, SelectionError
 from ..faults import STRICT_ENV, strict_mode
 from ..graph import is_capturing
+from ._checks import validation
 from ._op import Op, SampleInput
 
 if TYPE_CHECKING:
@@ -60,9 +67,11 @@ __all__ = [
     "blame",
     "check_config",
     "clear_quarantine",
+    "provider_fault",
     "quarantine",
     "quarantined",
     "replay",
+    "scrutinize",
     "smoke_check",
 ]
 
@@ -169,6 +178,13 @@ class blame:  # noqa: N801 - a context manager that reads as a verb: ``with blam
         ) from exc
 
 
+def provider_fault(kernels: Any, op_name: str, problem: str) -> str:
+    """``"op 'x': provider 'p' of plugin 'y' <problem>. Run without it: ..."``: the provider serving ``op_name`` named."""
+    chosen = kernels.providers[op_name]
+    instead = _next_name(getattr(kernels, "candidates", {}).get(op_name, ()), chosen)
+    return f"op {op_name!r}: {who(chosen)} {problem}. {way_around(op_name, chosen, instead)}"
+
+
 def _next_name(candidates: Sequence[Provider], current: Provider) -> str | None:
     later = [p for p in candidates if p is not current and p.name != current.name and quarantined(p) is None]
     return later[0].name if later else None
@@ -249,6 +265,75 @@ def smoke_check(op: Op, provider: Provider, dtype: torch.dtype, device: torch.de
             _SAMPLES.pop((op.name, dtype, str(device)), None)  # it may have written into the samples
             return f"on sample {sample.label!r}: {problem}"
     return None
+
+
+# -------------------------------------------------------------------------------------------------
+# Scrutiny: a step re-run with every checked call compared
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scrutiny:
+    """What a re-run under :func:`scrutinize` found, in call order.
+
+    Attributes:
+        calls: checked calls made.
+        faults: each provider fault (quarantined or refused), as debug mode reported it.
+        first_non_finite: the first call whose output held NaN or Inf although the provider agreed
+            with the reference: ``(op, provider, call number, whether its inputs were finite)``.
+    """
+
+    calls: int = 0
+    faults: list[str] = field(default_factory=list)
+    first_non_finite: tuple[str, Provider, int, bool] | None = None
+
+    def verdict(self) -> str:
+        """One sentence: the op at fault, or where non-finite values first appeared, or that nothing did."""
+        how = f"debug mode re-ran the step comparing all {self.calls} op calls with their references"
+        if self.faults:
+            return f"{how}: the first at fault is {self.faults[0]}"
+        if self.first_non_finite is not None:
+            op, chosen, n, inputs_finite = self.first_non_finite
+            source = (
+                "on finite inputs, and the reference's output is not finite either: the values overflow the dtype "
+                "(load the model in a wider dtype)"
+                if inputs_finite
+                else "from inputs that already held NaN or Inf (the weights, the KV cache or the step's own inputs), "
+                "and the reference agrees"
+            )
+            return f"{how}: the first output holding NaN or Inf was op {op!r}'s call {n} ({who(chosen)}), {source}; no provider is at fault"
+        return (
+            f"{how}, and every output was finite and agreed: the fault did not recur (a provider failing now and "
+            f"then, or a step that is not checked, such as a captured graph: set {CHECK_ENV} nearer 1 to compare "
+            "more calls of the normal run)"
+        )
+
+
+_SCRUTINY: ContextVar[Scrutiny | None] = ContextVar("vllm_port_scrutiny", default=None)
+
+
+def scrutinize(rerun: Callable[[], Any]) -> Scrutiny:
+    """Call ``rerun`` with every call of every :class:`CheckedOp` compared with its reference; what it found.
+
+    A provider found at fault is quarantined as in debug mode (and the call answered by the next
+    candidate); in strict mode the first fault raises :class:`ProviderError`. Without debug mode
+    nothing is checked and the scrutiny finds nothing (``calls == 0``).
+    """
+    found = Scrutiny()
+    token = _SCRUTINY.set(found)
+    try:
+        rerun()
+    finally:
+        _SCRUTINY.reset(token)
+    return found
+
+
+def _finite(values: Any) -> bool:
+    if isinstance(values, torch.Tensor):
+        return not values.is_floating_point() or bool(values.isfinite().all())
+    if isinstance(values, (tuple, list)):
+        return all(_finite(v) for v in values)
+    return True
 
 
 # -------------------------------------------------------------------------------------------------
@@ -337,7 +422,8 @@ class CheckedOp:
         if kwargs or len(args) != len(self._names):
             args = self._positional(args, kwargs)
         n, self._calls = self._calls, self._calls + 1
-        compare = (n == 0 or self._rng.random() < self.config.rate) and not _capturing()
+        scrutiny = _SCRUTINY.get()
+        compare = (n == 0 or scrutiny is not None or self._rng.random() < self.config.rate) and not _capturing()
         before = {i: args[i].clone() for i in self._mutated} if compare else None
         chosen = self.provider
         try:
@@ -345,6 +431,7 @@ class CheckedOp:
         except OpInputError:
             raise  # the inputs break the op's contract: the caller's fault, whichever provider noticed
         except Exception as exc:
+            self._refuse_if_inputs_at_fault(chosen, args, before, exc)
             return self._fault(chosen, args, before, f"raised {type(exc).__name__}: {exc}", exc)
         problem = metadata_problem(self.op, args, out, self._expected)
         if problem is None and compare and chosen.name != "reference":
@@ -353,8 +440,60 @@ class CheckedOp:
             if problem is not None:
                 problem = f"disagrees with the float64 reference on its call {n + 1}: {problem}"
         if problem is None:
+            if scrutiny is not None:
+                self._note_output(scrutiny, chosen, args, before or {}, out, n + 1)
             return out
         return self._fault(chosen, args, before, problem, None)
+
+    def _note_output(
+        self,
+        scrutiny: Scrutiny,
+        chosen: Provider,
+        args: tuple[Any, ...],
+        before: dict[int, torch.Tensor],
+        out: Any,
+        n: int,
+    ) -> None:
+        """Under scrutiny: count the call, and note it if it is the first whose (agreed) output is not finite.
+
+        An in-place argument counts when the call made it non-finite (a KV cache that held NaN
+        before the call, in another request's blocks, does not).
+        """
+        scrutiny.calls += 1
+        if scrutiny.first_non_finite is not None:
+            return
+        spoilt = any(_finite(saved) and not _finite(args[i]) for i, saved in before.items())
+        if spoilt or not _finite(out):
+            inputs = [a for i, a in enumerate(args) if i not in self._mutated]
+            scrutiny.first_non_finite = (self.op.name, chosen, n, _finite(inputs))
+
+    def _refuse_if_inputs_at_fault(
+        self, chosen: Provider, args: tuple[Any, ...], before: dict[int, torch.Tensor] | None, exc: Exception
+    ) -> None:
+        """Raise :class:`OpInputError` when the reference also refuses the inputs ``chosen`` raised on.
+
+        The reference runs with its value checks on, on copies of the in-place arguments (as they
+        were before the call where they were saved), so the step's tensors are not written. When it
+        raises too, the inputs are at fault, not the provider: nothing is quarantined. When it
+        cannot say (it ran out of memory), the provider is blamed as before.
+        """
+        if chosen.name == "reference":
+            return
+        inputs = tuple(
+            (before[i] if before is not None and i in before else a).clone() if i in self._mutated else a
+            for i, a in enumerate(args)
+        )
+        try:
+            with validation(True):
+                self.op.reference(*inputs)
+        except (MemoryError, torch.OutOfMemoryError):
+            return
+        except Exception as ref_exc:
+            raise OpInputError(
+                f"op {self.op.name!r}: its inputs are at fault, not {who(chosen)}: it raised {type(exc).__name__}: "
+                f"{exc}, and the reference raises on the same inputs too ({type(ref_exc).__name__}: {ref_exc}); "
+                "nothing is quarantined. The op or caller that produced these inputs is to blame"
+            ) from exc
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         if kwargs:
@@ -388,6 +527,10 @@ class CheckedOp:
         successor = following[0] if following else None
         message = f"op {op!r}: {who(chosen)} {problem}"
         where = f" Reproducer: {repro} (replay: vllm-port check-repro {repro})." if repro else ""
+        scrutiny = _SCRUTINY.get()
+        if scrutiny is not None:
+            quarantining = successor is not None and not strict_mode()
+            scrutiny.faults.append(f"{message}{'; quarantined' if quarantining else ''}")
         if successor is None or strict_mode():
             reason = (
                 f" Strict mode ({STRICT_ENV}=1) forbids moving to the next provider."
