@@ -75,6 +75,7 @@ FAULTS: dict[str, tuple[str, str]] = {
         "sample",
         "out = REF(logits, temperature, top_k, top_p, seeds)\n    out[-1] = logits.shape[1]\n    return out",
     ),
+    "sample one id short": ("sample", "return REF(logits, temperature, top_k, top_p, seeds)[:-1]"),
     "sample negative id": (
         "sample",
         "out = REF(logits, temperature, top_k, top_p, seeds)\n    out[-1] = -1\n    return out",

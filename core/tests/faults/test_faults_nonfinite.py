@@ -16,7 +16,7 @@ import torch
 
 import vllm_port
 from vllm_port import LLM, SamplingParams
-from vllm_port.errors import OpInputError
+from vllm_port.errors import OpInputError, ProviderError
 from vllm_port.ops.debug import CheckConfig, quarantined
 
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy", "Elizabeth said", "The sea"]
@@ -127,6 +127,16 @@ def test_a_samplers_bad_id_in_the_last_step_never_reaches_the_user(faulty_runtim
     (out,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.8, seed=0, max_tokens=1))
     assert (out.outputs[0].finish_reason, out.outputs[0].token_ids) == ("error", [])
     assert "provider 'zf_sample'" in out.outputs[0].error
+
+
+def test_a_sampler_returning_too_few_ids_is_named_before_any_is_read(faulty_runtime):
+    with pytest.raises(ProviderError) as caught:
+        generate(faulty_runtime("sample one id short"), "sampled")
+    assert str(caught.value).startswith(
+        "op 'sample': provider 'zf_sample' of plugin 'zfaulty' returned shape (3,), dtype torch.int64; the op returns "
+        "int64 ids of shape [4]. Run without it: VLLM_PORT_OP_PROVIDERS=sample=cpu_sample"
+    )
+    assert (caught.value.op, caught.value.provider, caught.value.plugin) == ("sample", "zf_sample", "zfaulty")
 
 
 @pytest.mark.parametrize("fault", ["sample id past the vocabulary", "sample negative id"])

@@ -256,17 +256,19 @@ class ModelRunner:
                 logits = self.step(ids, positions, self.kv_caches, meta, rows)
             if not batch.sample_rows:
                 return []
-            # per row on the device: NaN and Inf make the float32 sum non-finite (so would finite logits
-            # past 1e34, which _non_finite_row tells apart): one read of the logits, no copy
-            finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
+            # a flag per row, on the device: NaN and Inf make the row's float32 sum non-finite (so would
+            # finite logits past 1e34, which _non_finite_row tells apart); one read of the logits
             if any(batch.temperatures):
+                finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
                 # the sample op's contract refuses NaN logits: such rows draw from zeros (their id is dropped)
                 usable = logits.masked_fill(~finite[:, None], 0.0)
                 sampled = self._checked_ids(self.ops.sample(usable, temperature, top_k, top_p, seeds), len(rows))
             else:  # every row greedy: the sample op's answer by contract, without its sort and noise
                 # widened first: exact, so the same ids and ties, and argmax over float32 is several
                 # times faster than over bfloat16/float16 on CPU (a few ms a step over 32000 columns)
-                sampled = logits.to(torch.promote_types(logits.dtype, torch.float32)).argmax(dim=-1)
+                wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                finite = wide.sum(dim=-1).isfinite()
+                sampled = wide.argmax(dim=-1)
             tokens, flags = torch.stack((sampled, finite.to(sampled.dtype))).tolist()  # the step's one host sync
             vocab = logits.shape[-1]
             if all(flags) and min(tokens) >= 0 and max(tokens) < vocab:
