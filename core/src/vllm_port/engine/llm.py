@@ -14,7 +14,9 @@
 
 Bad requests do not stop a batch: a prompt that is empty, too long for ``max_model_len``, or holds
 token ids outside the vocabulary (or is text when the model has no tokenizer) gets an output with
-``finish_reason == "error"`` and the message in ``error``, and every other request runs. Bad
+``finish_reason == "error"`` and the message in ``error``, and every other request runs. So does a
+request whose logits hold NaN or Inf at some step, or whose sampled id is outside the vocabulary
+(the message names the step and who is at fault: :mod:`vllm_port.engine.runner`). Bad
 sampling parameters are the caller's code, not data: ``SamplingParams`` refuses them when made,
 and ``generate`` checks them again before running anything (``ValueError``). A model directory that
 cannot be loaded raises :class:`~vllm_port.errors.ModelLoadError` from ``LLM(...)``.
