@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_port import LLM
+from vllm_port import LLM, SamplingParams
 from vllm_port.data import bundled_model_dir
 from vllm_port.errors import ModelLoadError, SelectionError
 from vllm_port.ops.checks import validation
@@ -91,3 +91,20 @@ def test_check_weights_takes_only_a_switch(monkeypatch):
     monkeypatch.setenv("VLLM_PORT_CHECK_WEIGHTS", "maybe")
     with pytest.raises(SelectionError, match=r"VLLM_PORT_CHECK_WEIGHTS='maybe' is not a switch; set it to 1 .* or 0"):
         LLM(device="cpu", kv_cache_memory=4 << 20)
+
+
+def test_nan_weights_loaded_anyway_end_every_request_and_debug_mode_blames_no_provider(tmp_path, monkeypatch):
+    model = damaged_copy(tmp_path / "nan", nan_projection)
+    monkeypatch.setenv("VLLM_PORT_CHECK_WEIGHTS", "0")
+    monkeypatch.setenv("VLLM_PORT_CHECK", "on")
+    monkeypatch.setenv("VLLM_PORT_CHECK_DIR", str(tmp_path / "check"))
+    with LLM(model, device="cpu", kv_cache_memory=4 << 20) as llm:
+        outputs = [o.outputs[0] for o in llm.generate(["The sea", "Mr. Darcy"], SamplingParams(max_tokens=4))]
+        assert [(o.finish_reason, o.token_ids) for o in outputs] == [("error", []), ("error", [])]
+        assert (
+            "the first output holding NaN or Inf was op 'linear''s call" in outputs[0].error
+            and "(provider 'cpu_linear' of plugin 'cpu'), from inputs that already held NaN or Inf (the weights"
+            in outputs[0].error
+            and outputs[0].error.endswith("; no provider is at fault")
+        )
+        assert not llm.runner.ops.fallbacks  # nothing quarantined
