@@ -75,6 +75,12 @@ FAULTS: dict[str, tuple[str, str]] = {
         "sample",
         "out = REF(logits, temperature, top_k, top_p, seeds)\n    out[-1] = logits.shape[1]\n    return out",
     ),
+    # now and then: debug mode's first-call comparison does not see it
+    "sample id past the vocabulary every 3rd": (
+        "sample",
+        "CALLS['sample'] = CALLS.get('sample', 0) + 1\n    out = REF(logits, temperature, top_k, top_p, seeds)\n"
+        "    if CALLS['sample'] % 3 == 0:\n        out[-1] = logits.shape[1]\n    return out",
+    ),
     "sample one id short": ("sample", "return REF(logits, temperature, top_k, top_p, seeds)[:-1]"),
     "sample negative id": (
         "sample",

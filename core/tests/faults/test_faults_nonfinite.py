@@ -151,6 +151,20 @@ def test_debug_mode_quarantines_the_sampler_not_the_embedding(faulty_runtime, fa
     assert "op 'sample': provider 'zf_sample' of plugin 'zfaulty'" in fallback and "drew ids outside" in fallback
 
 
+def test_debug_mode_blames_a_now_and_then_bad_sampler_and_leaves_the_embedding_in_service(
+    faulty_runtime, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("VLLM_PORT_CHECK", "on")  # the 3rd call, with the bad id, is not compared
+    monkeypatch.setenv("VLLM_PORT_CHECK_DIR", str(tmp_path))
+    outputs, llm = generate(faulty_runtime("sample id past the vocabulary every 3rd"), "sampled")
+    errors = assert_right_or_error(outputs, "sampled")
+    assert errors and all(
+        "op 'sample': provider 'zf_sample' of plugin 'zfaulty' returned token id 4096" in o.error for o in errors
+    )
+    assert llm.runner.provider_per_op["embedding"] == "cpu_embedding"
+    assert not any("embedding" in f for f in llm.runner.ops.fallbacks)
+
+
 def test_debug_mode_does_not_quarantine_a_provider_whose_inputs_the_reference_refuses_too():
     runtime = vllm_port.load(plugins="cpu", device="cpu")
     kernels = runtime.bind(torch.float32, check=CheckConfig(1.0))
