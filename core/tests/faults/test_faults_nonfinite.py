@@ -17,7 +17,7 @@ import torch
 import vllm_port
 from vllm_port import LLM, SamplingParams
 from vllm_port.errors import OpInputError, ProviderError
-from vllm_port.ops.debug import CheckConfig, quarantined
+from vllm_port.ops.debug import CheckConfig, blame, quarantined
 
 PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy", "Elizabeth said", "The sea"]
 PARAMS = {
@@ -177,3 +177,17 @@ def test_debug_mode_does_not_quarantine_a_provider_whose_inputs_the_reference_re
     assert quarantined(kernels.providers["embedding"]) is None
     assert kernels.providers["embedding"].name == "cpu_embedding" and not kernels.fallbacks
     assert torch.equal(kernels.embedding(torch.tensor([3]), weight), weight[3:4])  # still serving
+
+
+def test_blame_names_no_provider_when_the_ops_input_check_refuses_the_inputs_too():
+    kernels = vllm_port.load(plugins="cpu", device="cpu").bind(torch.float32, check=False)
+    weight = torch.randn(16, 8)
+    with pytest.raises(OpInputError) as caught, blame(kernels):
+        kernels.embedding(torch.tensor([3, 16]), weight)  # cpu_embedding raises IndexError (values unchecked)
+    message = str(caught.value)
+    assert "op 'embedding': its inputs are at fault, not provider 'cpu_embedding' of plugin 'cpu'" in message
+    assert (
+        "the op's own input check refuses the arguments as the provider held them: embedding: input_ids[1] is 16"
+        in message
+    )
+    assert not isinstance(caught.value, ProviderError) and isinstance(caught.value.__cause__, IndexError)

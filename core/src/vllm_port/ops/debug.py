@@ -6,7 +6,9 @@ Three tools, from free to thorough:
   exception it raises carries the provider's frame. :func:`blame` (``with blame(kernels): ...``, once
   around a whole engine step) finds that frame and re-raises the failure as a
   :class:`~vllm_port.errors.ProviderError` naming the op, the provider, its plugin and how to run
-  without it. An :class:`~vllm_port.errors.OpInputError` stays what it is: the caller's inputs.
+  without it. An :class:`~vllm_port.errors.OpInputError` stays what it is: the caller's inputs. So
+  does a failure on inputs the op's own input check refuses (run on the arguments in the
+  provider's frame, after the fact): the provider is named only on evidence against it.
 * **Smoke check at bind** (``runtime.bind(dtype, verify=True)``; ``vllm-port doctor`` always):
   :func:`smoke_check` runs each candidate on its op's small samples against the float64
   reference, and one that raises, returns the wrong shape, dtype or device, or wrong values is
@@ -169,6 +171,14 @@ class blame:  # noqa: N801 - a context manager that reads as a verb: ``with blam
                 f"{CHECK_ENV}=1 checks every provider's output and names the one at fault"
             )
             return
+        refusal = _input_check_refusal(exc, op_name, chosen)
+        if refusal is not None:  # evidence that the inputs, not the provider, are at fault
+            raise OpInputError(
+                f"op {op_name!r}: its inputs are at fault, not {who(chosen)}: it raised {type(exc).__name__}: {exc}, "
+                f"and the op's own input check refuses the arguments as the provider held them: {refusal}. "
+                f"If another op's provider made these inputs, {CHECK_ENV}=1 checks every provider's output and "
+                "names the one at fault"
+            ) from exc
         instead = _next_name(getattr(self._kernels, "candidates", {}).get(op_name, ()), chosen)
         raise ProviderError(
             f"op {op_name!r}: {who(chosen)} raised {type(exc).__name__}: {exc}. {way_around(op_name, chosen, instead)}",
@@ -176,6 +186,38 @@ class blame:  # noqa: N801 - a context manager that reads as a verb: ``with blam
             chosen.name,
             chosen.plugin,
         ) from exc
+
+
+def _input_check_refusal(exc: BaseException, op_name: str, chosen: Provider) -> str | None:
+    """What the op's input check (its reference, value checks on) says of the arguments ``chosen`` raised on.
+
+    The arguments are read from the provider's own frame in the traceback, by the op's parameter
+    names (a provider's signature is the op's). ``None`` when the check accepts them, when they
+    cannot be recovered, or when the check fails for another reason than refusing its inputs:
+    then the provider stays the one named.
+    """
+    from . import ALL_OPS
+
+    op = next((o for o in ALL_OPS if o.name == op_name), None)
+    code = _code_of(chosen.fn)
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not code:
+        tb = tb.tb_next
+    if op is None or tb is None:
+        return None
+    held = tb.tb_frame.f_locals
+    names = list(op.signature.parameters)
+    if not all(name in held for name in names):
+        return None
+    args = tuple(held[n].clone() if n in op.mutates and isinstance(held[n], torch.Tensor) else held[n] for n in names)
+    try:
+        with validation(True):
+            op.reference(*args)
+    except OpInputError as refused:
+        return str(refused)
+    except Exception:  # the reference failing otherwise (memory, say) is no evidence either way
+        return None
+    return None
 
 
 def provider_fault(kernels: Any, op_name: str, problem: str) -> str:
