@@ -206,7 +206,7 @@ def test_probe_with_gpus_reads_the_topology(hip_torch: pytest.MonkeyPatch, tmp_p
     ] * 2
     assert result.capabilities == {
         "hip_version": "6.4.43482", "gfx_arch": "gfx942", "wavefront_size": 64, "matrix_cores": "mfma", "fp8": "fnuz",
-        "compute_units": 304, "aiter_installed": False,
+        "compute_units": 304, "aiter_installed": False, "triton_installed": True,
     }  # fmt: skip
     assert (
         result.reason
