@@ -91,6 +91,21 @@ def test_a_library_planted_in_a_world_writable_cache_directory_is_never_loaded(f
 
 
 @needs_cc
+def test_with_the_default_cache_directory_world_writable_a_new_temporary_directory_serves(fresh, monkeypatch):
+    monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    shared = fresh / "home" / ".cache" / "vllm-port"
+    (shared / native.PRIVATE_DIR).mkdir(parents=True)
+    for d in (shared, shared / native.PRIVATE_DIR):
+        d.chmod(0o777)
+    marker = _plant_with_its_hash(shared, fresh)
+    assert native.available()
+    loaded = Path(native.status.removeprefix("on (").split(")")[0])
+    assert loaded.parent.name.startswith("vllm-port-cpu-native-") and loaded.parent.stat().st_mode & 0o777 == 0o700
+    assert f"{shared} can be written by others" in native.status
+    assert not marker.exists()
+
+
+@needs_cc
 def test_strict_mode_refuses_a_world_writable_cache_directory(fresh, monkeypatch):
     shared = _shared_cache(fresh, monkeypatch)
     marker = _plant_with_its_hash(shared, fresh)

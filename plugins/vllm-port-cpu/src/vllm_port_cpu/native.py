@@ -29,6 +29,7 @@ float64, a device other than the CPU) go to the torch provider.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import hashlib
@@ -141,8 +142,9 @@ def _private_dir(root: Path) -> Path:
 def _cache_dir(*, create: bool = True) -> tuple[Path, str]:
     """The private directory the library is built in and loaded from, and a note on why it is not the configured one.
 
-    A cache directory others could write is refused (the warning says which and why) for the
-    default one, else a new temporary directory; strict mode refuses the fallback instead.
+    A cache directory others could write, or another user owns, is replaced by the default one when
+    that is this user's alone, else by a new temporary directory (removed at exit); the note says
+    which and why, for the warning. Strict mode refuses the fallback instead.
     ``create=False`` (the probe) names the directory without making it.
 
     :raises StrictModeError: in strict mode, for a cache directory that is not this user's alone.
@@ -158,7 +160,11 @@ def _cache_dir(*, create: bool = True) -> tuple[Path, str]:
     fall_back(what, f"give {CACHE_ENV} a directory only this user can write (mkdir -m 700), or set {ENV_SWITCH}=0")
     if not create:
         return instead, what
-    directory = _private_dir(default) if usable else Path(tempfile.mkdtemp(prefix="vllm-port-cpu-native-"))
+    if usable:
+        directory = _private_dir(default)
+    else:
+        directory = Path(tempfile.mkdtemp(prefix="vllm-port-cpu-native-"))  # mode 0700, this process's own
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)  # a loaded library may be unlinked
     return directory, what.replace(str(instead), str(directory))
 
 
