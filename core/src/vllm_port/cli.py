@@ -430,13 +430,22 @@ def take_strict(argv: Sequence[str]) -> tuple[list[str], bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
+    """Run the command line; return the exit status (130 after Ctrl-C)."""
+    argv, strict = take_strict(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(join_dash_values(argv))
+    try:
+        return _run_command(args, strict)
+    except KeyboardInterrupt:  # Ctrl-C outside what a command handles itself: one line, no traceback
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _run_command(args: argparse.Namespace, strict: bool) -> int:
+    """Run the parsed command, in strict mode when ``strict`` (for the command and what it starts)."""
     import os
 
     from .faults import STRICT_ENV
 
-    argv, strict = take_strict(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(join_dash_values(argv))
     if not strict:
         return int(args.run(args))
     before = os.environ.get(STRICT_ENV)

@@ -40,6 +40,7 @@ __all__ = [
     "PluginRecord",
     "discover",
     "parse_plugin_filter",
+    "probe_again",
     "probe_timeout",
 ]
 
@@ -320,6 +321,28 @@ def _check_plugin(
             record.providers.append(registry.register(candidate, plugin=record.name, platform=platform))
         except ProviderRejectedError as exc:
             record.rejected.append(str(exc))
+
+
+def probe_again(found: Discovery, record: PluginRecord) -> None:
+    """Probe ``record``'s platform once more, under the same time limit, and keep the answer when it is valid.
+
+    ``doctor`` asks once the platform's kernels are bound: a probe builds nothing, so what binding
+    built and loaded (the CPU plugin's native library, say) shows only in a later answer. An answer
+    that fails, or says the platform is no longer available, leaves the first one.
+    """
+    module = found.manager.get_plugin(record.name)
+    if module is None or record.probe is None:
+        return
+    first_s = record.probe_s
+    try:
+        answer = validate_probe(
+            _probe_within(_own_caller(found.manager, module, record.name), record, found.probe_timeout_s)
+        )
+    except Exception:  # the first answer stands; doctor reports, it never crashes
+        answer = None
+    record.probe_s = first_s
+    if answer is not None and answer.available:
+        record.probe = answer
 
 
 def _probe_within(call: _own_caller, record: PluginRecord, limit_s: float) -> Any:

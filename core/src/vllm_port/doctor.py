@@ -3,7 +3,9 @@
 Every candidate provider is smoke-checked against the float64 reference before it is bound
 (``runtime.bind(dtype, verify=True)``): one that raises or returns a wrong shape, dtype, device or
 values is marked failed with the reason, and the report says which provider serves instead. A bound
-provider far slower than the reference gets a warning. Strict mode's objections are listed too.
+provider far slower than the reference gets a warning. Strict mode's objections are listed too. The selected
+platform is probed again once its kernels are bound, so the report names what binding built and
+loaded (the CPU plugin's native library).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 
 from .api import API_VERSION
-from .discovery import Discovery, PluginRecord, discover
+from .discovery import Discovery, PluginRecord, discover, probe_again
 from .errors import SelectionError, VllmPortError
 from .faults import STRICT_ENV, strict_mode
 from .ops import REFERENCE
@@ -203,6 +205,8 @@ def diagnose(plugins: str | None = None, device: str | None = None, strict: bool
             report["error"] = str(exc)
         report["memory"], report["comm"] = _memory(runtime), _comm(runtime)
         report["fallbacks"] += runtime.fallbacks
+        probe_again(found, selected)  # what binding built and loaded (a kernel library) shows only now
+        report["plugins"] = [_plugin_json(r) for r in found.plugins]
     report["strict"] = strict
     report["strict_problems"] = found.problems + list(dict.fromkeys(report["fallbacks"]))
     report["ok"] = (

@@ -8,6 +8,7 @@ flat ``torch.uint8`` tensors on the platform's device, so any op can view them w
 from __future__ import annotations
 
 import abc
+import ctypes
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -600,7 +601,9 @@ class FusedSwapMigrator(TorchMigrator):
         self._kernel_failed: str | None = None
         self._unreported: str | None = None  # a failure of the copy being made, reported when its handle exists
         self._plans: dict[tuple[Any, ...], Any] = {}  # cache layouts -> BlockCopyPlan, or None for the chunked path
-        self._pair_buffers: list[list[Any]] = []  # [pinned int64 [rows, 2], its numpy view, event of its last use]
+        self._pair_buffers: list[
+            list[Any]
+        ] = []  # [pinned int64 [rows, 2], a ctypes view of its words, event of its last use]
         self._kernels: Any = None  # vllm_port.kernels.triton.swap, imported (with triton) on the first kernel copy
 
     def copy_blocks(
@@ -712,10 +715,12 @@ class FusedSwapMigrator(TorchMigrator):
                 break
         else:
             buffer = torch.empty((max(256, 1 << (n - 1).bit_length()), 2), dtype=torch.int64, pin_memory=pinned)
-            slot = [buffer, buffer.numpy(), None]
+            # the buffer's words, written from Python lists as they are (no numpy: core does not depend on it)
+            words = (ctypes.c_int64 * buffer.numel()).from_address(buffer.data_ptr())
+            slot = [buffer, words, None]
             self._pair_buffers.append(slot)
-        slot[1][:n, 0] = src_ids
-        slot[1][:n, 1] = dst_ids
+        slot[1][0 : 2 * n : 2] = src_ids
+        slot[1][1 : 2 * n : 2] = dst_ids
         return slot
 
     def _give_up_kernel(self, why: str) -> None:

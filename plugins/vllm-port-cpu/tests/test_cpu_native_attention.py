@@ -5,6 +5,8 @@ kernel's own loops (GQA groups, windows and caps across chunk and block boundari
 strided caches), its argument checks, and what happens without a compiler or with the kernels off.
 """
 
+import hashlib
+
 import pytest
 import torch
 
@@ -170,20 +172,23 @@ def fresh_state(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "status", "not built yet")
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    native._library_path.cache_clear()
+    native._library_name.cache_clear()
     yield tmp_path
-    native._library_path.cache_clear()
+    native._library_name.cache_clear()
 
 
 @needs_kernels
 def test_builds_once_into_the_cache_directory_and_binds_above_the_torch_providers(fresh_state):
-    assert native.check() == (True, f"not built yet (builds with {native._compiler()} at first use)")
+    private = fresh_state / native.PRIVATE_DIR
+    assert native.check() == (True, f"not built yet (builds with {native._compiler()} into {private} at first use)")
     assert _bound(torch.bfloat16) == {
         "paged_attention": "cpu_native_paged_attention",
         "prefill_attention": "cpu_native_prefill_attention",
     }
-    built = list(fresh_state.iterdir())
-    assert [p.suffix for p in built] == [".so"]  # no temporary file left behind
+    assert private.stat().st_mode & 0o777 == 0o700
+    built = sorted(private.iterdir())
+    assert [p.name.split(".", 1)[1] for p in built] == ["so", "so.sha256"]  # no temporary file left behind
+    assert built[1].read_text().strip() == hashlib.sha256(built[0].read_bytes()).hexdigest()
     assert native.status == f"on ({built[0]})" and native.check() == (True, native.status)
 
 

@@ -6,6 +6,7 @@ KFD trees are written under ``tmp_path`` with the key names the amdgpu driver pr
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -207,6 +208,7 @@ def test_probe_with_gpus_reads_the_topology(hip_torch: pytest.MonkeyPatch, tmp_p
     assert result.capabilities == {
         "hip_version": "6.4.43482", "gfx_arch": "gfx942", "wavefront_size": 64, "matrix_cores": "mfma", "fp8": "fnuz",
         "compute_units": 304, "aiter_installed": False,
+        "triton_installed": importlib.util.find_spec("triton") is not None,
     }  # fmt: skip
     assert (
         result.reason

@@ -3,7 +3,9 @@
 One text prompt streams its completion to stdout as it is generated; several prompts print each
 completion when all are done; ``--json`` prints one object. Exit status: 0 when every request
 completed, 1 when a request was refused (its error is printed), 2 when the model or the device
-could not be loaded.
+could not be loaded, 130 on Ctrl-C (SIGINT): the step under way finishes, the other requests are
+aborted (their blocks freed), one line on stderr says so, and the requests that had finished are
+printed (``--json``: those alone, each with its prompt's ``index``, and ``"interrupted": true``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any, TextIO
 
 from ..errors import VllmPortError
 
-__all__ = ["DEFAULT_PROMPT", "run"]
+__all__ = ["DEFAULT_PROMPT", "INTERRUPTED", "run"]
 
 #: What ``generate`` continues when given no prompt.
 DEFAULT_PROMPT = "Once upon a time"
+#: The exit status after Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2).
+INTERRUPTED = 130
 
 
 class Progress:
@@ -99,7 +103,13 @@ def run(args: argparse.Namespace) -> int:
         f"loaded {llm.model_dir} on {llm.platform} ({str(llm.dtype).removeprefix('torch.')}) in {progress.elapsed:.1f} s"
     )
     echo = not args.json and len(prompts) == 1 and isinstance(prompts[0], str) and llm.tokenizer is not None
-    outputs = _generate(llm, prompts, params, progress, echo)
+    outputs: list[dict[str, Any]] = [
+        {"index": i, "token_ids": [], "text": "", "finish_reason": None} for i in range(len(prompts))
+    ]
+    try:
+        _generate(llm, prompts, params, progress, echo, outputs)
+    except KeyboardInterrupt:
+        return _interrupted(llm, prompts, outputs, progress, args.json, echo)
     if args.json:
         print(json.dumps(_json(llm, outputs), ensure_ascii=False))
     elif not echo:
@@ -111,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(o["finish_reason"] == "error" for o in outputs) else 0
 
 
-def _generate(llm: Any, prompts: list[Any], params: Any, progress: Progress, echo: bool) -> list[dict[str, Any]]:
-    outputs: list[dict[str, Any]] = [{"token_ids": [], "text": "", "finish_reason": None} for _ in prompts]
+def _generate(
+    llm: Any, prompts: list[Any], params: Any, progress: Progress, echo: bool, outputs: list[dict[str, Any]]
+) -> None:
+    """Stream every request into ``outputs`` (one per prompt), which keep what finished if Ctrl-C stops it."""
     progress.begin("generating")
     if echo:
         sys.stdout.write(prompts[0])
@@ -139,7 +151,27 @@ def _generate(llm: Any, prompts: list[Any], params: Any, progress: Progress, ech
     progress.end(
         f"generated {tokens} tokens for {len(prompts)} request(s) in {progress.elapsed:.1f} s ({rate:.1f} tokens/s)"
     )
-    return outputs
+
+
+def _interrupted(
+    llm: Any, prompts: list[Any], outputs: list[dict[str, Any]], progress: Progress, as_json: bool, echo: bool
+) -> int:
+    """After Ctrl-C: the finished requests on stdout, one line on stderr; the exit status."""
+    finished = [o for o in outputs if o["finish_reason"] is not None]
+    if echo:
+        sys.stdout.write("\n")
+    if as_json:
+        print(json.dumps({**_json(llm, finished), "interrupted": True}, ensure_ascii=False))
+    elif not echo:
+        for out in finished:
+            _print(prompts[out["index"]], out, llm.tokenizer is not None)
+    sys.stdout.flush()
+    progress.end(
+        f"interrupted: {len(finished)} of {len(prompts)} request(s) had finished"
+        + (" (printed)" if finished and not echo else "")
+        + f"; the others were aborted after {progress.elapsed:.1f} s"
+    )
+    return INTERRUPTED
 
 
 def _json(llm: Any, outputs: list[dict[str, Any]]) -> dict[str, Any]:

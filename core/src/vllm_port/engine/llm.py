@@ -28,9 +28,12 @@ import itertools
 import numbers
 import os
 import random
+import signal
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,6 +307,8 @@ class LLM:
         :param prompts: a prompt or a list of them; a prompt is text or a list of token ids.
         :param sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
         :raises ValueError: for sampling parameters no request can run with, before anything runs.
+        :raises KeyboardInterrupt: on Ctrl-C, once the step under way is done and every request's
+            blocks are back in the pool (and swap space).
         """
         requests = self._requests(prompts, sampling_params)
         for _ in self._run(requests):
@@ -398,7 +403,8 @@ class LLM:
         try:
             while call.outputs or call.unfinished:
                 if not call.outputs:
-                    self._step()
+                    with _interrupt_after_step():
+                        self._step()
                 while call.outputs:
                     yield call.outputs.popleft()
         finally:
@@ -475,6 +481,37 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def _interrupt_after_step() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives during a step until the step is done, then raise ``KeyboardInterrupt``.
+
+    A step stopped half-way could leave blocks taken by no sequence; a finished one leaves the books
+    whole, and ``_run``'s cleanup then aborts every unfinished request, so the KV pool and swap
+    space are all free when ``generate`` raises. A second SIGINT in the same step interrupts at once.
+    Only in the main thread (where Python delivers SIGINT) with Python's own handler installed: a
+    handler of the caller's is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _is_token_id(value: Any) -> bool:

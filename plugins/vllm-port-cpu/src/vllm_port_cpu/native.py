@@ -7,11 +7,21 @@ caches in place instead: one OpenMP work item per (sequence, KV head[, query til
 query head of the group, so each K/V row is read once, with an online softmax in float32.
 
 Build: the system C compiler (``cc`` or ``gcc`` on ``PATH``) with ``-O3 -march=native -fopenmp``,
-into ``$VLLM_PORT_CACHE_DIR`` (default ``~/.cache/vllm-port``) under a name keyed by the source,
-the compiler and the CPU's flags; written to a temporary file and renamed, so processes building at
-once never load a partial library. ``VLLM_PORT_CPU_NATIVE=0`` turns the kernels off. When they are
-off or the build fails, the providers' support predicate declines and the torch providers serve the
-ops; :data:`status` says why (the probe's ``"native_attention"`` capability, shown by ``doctor``).
+into ``cpu-native/`` of ``$VLLM_PORT_CACHE_DIR`` (default ``~/.cache/vllm-port``) under a name keyed
+by the source, the compiler and the CPU's flags; written to a temporary file and renamed, so
+processes building at once never load a partial library. ``VLLM_PORT_CPU_NATIVE=0`` turns the
+kernels off. When they are off or the build fails, the providers' support predicate declines and the
+torch providers serve the ops; :data:`status` says why, and which file is loaded (the probe's
+``"native_attention"`` capability, shown by ``doctor``).
+
+Loading a shared library runs its code, so only this user may have written the one loaded: the
+name is a hash anyone can compute. ``cpu-native/`` is made with mode 0700 and must be owned by this
+user; a cache directory that another user owns or that group or others can write is refused with a
+warning, and the library is built in a private fallback instead (``~/.cache/vllm-port``, else a new
+temporary directory); strict mode (``VLLM_PORT_STRICT=1``) refuses the fallback. Each build records
+the library's SHA-256 in ``<library>.sha256`` beside it (written to a temporary file and renamed); a
+library is loaded only when its content matches that hash, hashed from the same open file that is
+then loaded, and is rebuilt, never loaded, when it does not.
 
 Per call, arguments the kernel does not cover (a tensor whose last dimension is not contiguous,
 float64, a device other than the CPU) go to the torch provider.
@@ -19,12 +29,15 @@ float64, a device other than the CPU) go to the torch provider.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform as _host
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -33,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_port.errors import OpInputError
+from vllm_port.errors import OpInputError, StrictModeError
+from vllm_port.faults import fall_back
 from vllm_port.ops import BindContext, provider
 from vllm_port.ops.attention import check_paged_attention, check_prefill_attention
 
@@ -44,6 +58,9 @@ __all__ = ["ENV_SWITCH", "available", "check", "library", "paged_attention", "pr
 #: ``VLLM_PORT_CPU_NATIVE=0`` keeps the native kernels off (the torch providers serve the ops).
 ENV_SWITCH = "VLLM_PORT_CPU_NATIVE"
 CACHE_ENV = "VLLM_PORT_CACHE_DIR"
+#: The private directory (mode 0700) under the cache directory that holds the library and its hash.
+PRIVATE_DIR = "cpu-native"
+HASH_SUFFIX = ".sha256"
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 COMPILERS = ("cc", "gcc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -62,6 +79,7 @@ _ERRORS = {
     4: "cu_seqlens_q must start at 0, never decrease, and end at most at the query's token count",
     5: "out of memory for the kernel's scratch buffers",
 }
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _loaded = False
@@ -76,9 +94,78 @@ def _compiler() -> str | None:
     return next((found for name in COMPILERS if (found := shutil.which(name))), None)
 
 
-def _cache_dir() -> Path:
+def _default_cache_root() -> Path:
+    return Path.home() / ".cache" / "vllm-port"
+
+
+def _cache_root() -> Path:
     root = os.environ.get(CACHE_ENV)
-    return Path(root) if root else Path.home() / ".cache" / "vllm-port"
+    return Path(root) if root else _default_cache_root()
+
+
+def _unsafe(directory: Path) -> str | None:
+    """Why another user could change what ``directory`` holds (``None``: only this user can, or it is absent)."""
+    try:
+        info = directory.stat()
+    except FileNotFoundError:
+        return None  # made by this process, with its mode
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"{directory} is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    if info.st_mode & 0o022:
+        who = "others" if info.st_mode & 0o002 else "its group"
+        return f"{directory} can be written by {who} (mode {info.st_mode & 0o777:o})"
+    return None
+
+
+def _private_dir(root: Path) -> Path:
+    """``root``'s ``cpu-native/``, made with mode 0700 if absent, or tightened to it (it is this user's).
+
+    :raises PermissionError: when ``root`` or the directory is not this user's alone (:func:`_unsafe`).
+    """
+    directory = root / PRIVATE_DIR
+    for path in (root, directory):
+        why = _unsafe(path)
+        if why:
+            raise PermissionError(why)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.mkdir(exist_ok=True, mode=0o700)
+    why = _unsafe(directory)  # made by another user between the check and mkdir
+    if why:
+        raise PermissionError(why)
+    if directory.stat().st_mode & 0o077:  # this user's, readable by others: nobody else wrote it
+        directory.chmod(0o700)
+    return directory
+
+
+def _cache_dir(*, create: bool = True) -> tuple[Path, str]:
+    """The private directory the library is built in and loaded from, and a note on why it is not the configured one.
+
+    A cache directory others could write, or another user owns, is replaced by the default one when
+    that is this user's alone, else by a new temporary directory (removed at exit); the note says
+    which and why, for the warning. Strict mode refuses the fallback instead.
+    ``create=False`` (the probe) names the directory without making it.
+
+    :raises StrictModeError: in strict mode, for a cache directory that is not this user's alone.
+    """
+    root = _cache_root()
+    why = _unsafe(root) or _unsafe(root / PRIVATE_DIR)
+    if why is None:
+        return (_private_dir(root) if create else root / PRIVATE_DIR), ""
+    default = _default_cache_root()
+    usable = root != default and not (_unsafe(default) or _unsafe(default / PRIVATE_DIR))
+    instead = default / PRIVATE_DIR if usable else Path(tempfile.gettempdir()) / "vllm-port-cpu-native-*"
+    what = f"the CPU plugin's native kernels: cache directory refused, {why}; the library is built in {instead} instead"
+    fall_back(what, f"give {CACHE_ENV} a directory only this user can write (mkdir -m 700), or set {ENV_SWITCH}=0")
+    if not create:
+        return instead, what
+    if usable:
+        directory = _private_dir(default)
+    else:
+        directory = Path(tempfile.mkdtemp(prefix="vllm-port-cpu-native-"))  # mode 0700, this process's own
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)  # a loaded library may be unlinked
+    return directory, what.replace(str(instead), str(directory))
 
 
 def _cpu_flags() -> str:
@@ -90,8 +177,8 @@ def _cpu_flags() -> str:
 
 
 @lru_cache(maxsize=4)
-def _library_path(compiler: str) -> Path:
-    """Where the library built by ``compiler`` for this source and CPU lives: the name is a hash of all three."""
+def _library_name(compiler: str) -> str:
+    """The file name of the library ``compiler`` builds for this source and CPU: a hash of all three."""
     try:
         # the compiler found on PATH, with fixed arguments
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout  # noqa: S603
@@ -102,7 +189,7 @@ def _library_path(compiler: str) -> Path:
         key.update(part)
         key.update(b"\0")
     key.update((_cpu_flags() + _host.machine()).encode())
-    return _cache_dir() / f"cpu-paged-attention-{key.hexdigest()[:20]}.so"
+    return f"cpu-paged-attention-{key.hexdigest()[:20]}.so"
 
 
 def _failure_log(target: Path) -> Path:
@@ -110,9 +197,46 @@ def _failure_log(target: Path) -> Path:
     return target.with_suffix(".failed.txt")
 
 
+def _hash_file(path: Path) -> Path:
+    """Where the SHA-256 recorded when ``path`` was built is kept."""
+    return path.with_name(path.name + HASH_SUFFIX)
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _open_verified(path: Path) -> tuple[int, str] | None:
+    """An open descriptor of ``path`` and its hash when its content matches the recorded hash, else ``None``.
+
+    The hash is read from the descriptor that is then loaded: a file swapped in after the check is
+    never the one loaded. A link, a file another user owns, or a missing or unreadable record is no match.
+    """
+    try:
+        recorded = _hash_file(path).read_text(encoding="ascii").strip()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except (OSError, UnicodeDecodeError):
+        return None
+    info = os.fstat(fd)
+    digest = hashlib.sha256()
+    with open(fd, "rb", closefd=False) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and digest.hexdigest() == recorded:
+        return fd, recorded
+    os.close(fd)
+    return None
+
+
 def _build(compiler: str, target: Path) -> None:
-    """Compile the source into ``target`` through a temporary file in the same directory, then rename it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Compile the source into ``target`` through a temporary file in the same directory, record its hash, rename it."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
@@ -121,6 +245,7 @@ def _build(compiler: str, target: Path) -> None:
         if done.returncode != 0:
             error = done.stderr.strip()[-800:] or "(no message)"
             raise RuntimeError(f"{compiler} exited with {done.returncode}: {error} (command: {' '.join(cmd)})")
+        _write_atomically(_hash_file(target), hashlib.sha256(Path(tmp).read_bytes()).hexdigest() + "\n")
         os.replace(tmp, target)  # atomic: a concurrent build of the same source renames an equal file
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         with contextlib.suppress(OSError):
@@ -131,6 +256,31 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
     with contextlib.suppress(OSError):
         _failure_log(target).unlink(missing_ok=True)
+
+
+def _load(path: Path, fd: int) -> ctypes.CDLL:
+    """Load the library open as ``fd`` (through ``/proc/self/fd`` where there is one, else by ``path``)."""
+    try:
+        by_fd = f"/proc/self/fd/{fd}"
+        return ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(path))
+    finally:
+        os.close(fd)
+
+
+def _verified_library(compiler: str) -> tuple[ctypes.CDLL, Path, str]:
+    """The library loaded from the private cache directory, (re)built unless its content matches its recorded
+    hash; its path, and the note on a refused cache directory (empty when none was)."""
+    directory, note = _cache_dir()
+    path = directory / _library_name(compiler)
+    opened = _open_verified(path)
+    if opened is None:  # absent, or not what was built: never loaded
+        if path.exists():
+            log.warning("vllm-port-cpu: %s does not match its recorded SHA-256; rebuilding it", path)
+        _build(compiler, path)
+        opened = _open_verified(path)
+        if opened is None:
+            raise OSError(f"{path} changed between its build and its load; it is not loaded")
+    return _load(path, opened[0]), path, note
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -152,20 +302,31 @@ def check() -> tuple[bool, str]:
     if compiler is None:
         return False, f"off: no C compiler ({' or '.join(COMPILERS)}) on PATH; the torch kernels serve attention"
     try:  # the probe calls this: it must answer, never raise
-        path = _library_path(compiler)
-        if path.exists():
-            return True, f"built ({path})"
+        directory, note = _cache_dir(create=False)
+        path = directory / _library_name(compiler)
+        note = f"; {note}" if note else ""
+        opened = _open_verified(path)
+        if opened is not None:
+            os.close(opened[0])
+            return True, f"built ({path}, SHA-256 {opened[1][:16]} as recorded; loaded at first use){note}"
         failed = _failure_log(path)
         if failed.exists():
             error = failed.read_text(encoding="utf-8", errors="replace").strip()
             return False, f"off: the last build failed (retried at first use; {failed}): {error[:300]}"
+        if path.exists():
+            return True, f"{path} does not match its recorded SHA-256: rebuilt at first use, never loaded{note}"
+    except StrictModeError as exc:
+        return False, f"off: {exc}"
     except OSError as exc:
         return False, f"off: {exc}"
-    return True, f"not built yet (builds with {compiler} at first use)"
+    return True, f"not built yet (builds with {compiler} into {path.parent} at first use){note}"
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built first if needed; ``None`` when off or unbuildable (see :data:`status`)."""
+    """The loaded kernel library, built first if needed; ``None`` when off or unbuildable (see :data:`status`).
+
+    :raises StrictModeError: in strict mode, when the cache directory is not this user's alone.
+    """
     global _library, _loaded, _float16, status
     if _loaded or _disabled():
         return None if _disabled() else _library
@@ -177,14 +338,13 @@ def library() -> ctypes.CDLL | None:
             status = check()[1]
         else:
             try:
-                path = _library_path(compiler)
-                if not path.exists():
-                    _build(compiler, path)
-                lib = ctypes.CDLL(str(path))
+                lib, path, note = _verified_library(compiler)
                 _declare(lib)
                 _float16 = bool(lib.vp_has_float16())
-                _library, status = lib, f"on ({path})"
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _library, status = lib, f"on ({path})" + (f"; {note}" if note else "")
+                if note:
+                    log.warning("vllm-port-cpu: %s", note)
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
                 status = f"off: the build or load failed; the torch kernels serve attention: {exc}"
         _loaded = True
     return _library

@@ -197,6 +197,8 @@ def probe(sysfs_root: str = "/sys") -> ProbeResult:
         "hip_version": torch.version.hip,
         # find_spec looks for the package without importing it (importing AITER loads its JIT modules).
         "aiter_installed": importlib.util.find_spec("aiter") is not None,
+        # torch's ROCm wheels bring it; without it the plugin offers no Triton providers (ops.providers)
+        "triton_installed": importlib.util.find_spec("triton") is not None,
     }
     if found:
         # Features of the first visible device: the one rank 0 of an engine runs on.

@@ -126,6 +126,8 @@ def probe(read_properties: Callable[[int], Any] | None = None) -> ProbeResult:
         "xpu_version": xpu_build() or "",
         # find_spec looks for the package without importing it: importing IPEX loads its native libraries.
         "ipex_installed": importlib.util.find_spec("intel_extension_for_pytorch") is not None,
+        # torch's XPU wheels bring it; without it the plugin offers no Triton providers (ops.providers)
+        "triton_installed": importlib.util.find_spec("triton") is not None,
         # its version when it matches torch, else why its providers are not registered
         "ipex": ipex_ops.check()[1],
     }

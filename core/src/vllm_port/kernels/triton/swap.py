@@ -17,12 +17,12 @@ piece): a one-block swap of a Llama-3-8B cache (2 MiB) still spreads over 256 pr
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from ...errors import MemoryContractError
 
@@ -253,8 +253,19 @@ def _check(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, n: int) ->
         raise MemoryContractError(
             f"swap_blocks: a destination block is named twice in {destinations}; each block can take one source"
         )
-    if not isinstance(_copy_blocks_kernel, InterpretedFunction):  # the interpreter reaches any host memory
+    if not _interpreted(_copy_blocks_kernel):  # the interpreter reaches any host memory
         _check_reachable(src, dst, pairs)
+
+
+def _interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Read from ``sys.modules``, never imported: the interpreter module imports numpy, which Triton
+    does not depend on (a GPU install without numpy must still load the kernels). An interpreted
+    kernel exists only once ``triton.jit`` has imported that module.
+    """
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    return interpreter is not None and isinstance(kernel, interpreter.InterpretedFunction)
 
 
 def _check_reachable(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
