@@ -505,7 +505,7 @@ def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("65 sequences (past a 64-row tile)", sixty_five, 4, 2),
         # multi-head attention: 32 KV heads of 128, 4096-wide cache rows
         case("llama2-7b mha (32 kv heads x 128)", [1, 65, 200], 32, 32, head_size=128, large=True),
-        case("soft cap 30 with sliding window 8", boundaries, 4, 2, window=8, cap=30.0, q_scale=2.0),
+        case("soft cap 5 with sliding window 8, sharp scores", boundaries, 4, 2, window=8, cap=5.0, q_scale=4.0),
         case("llama3-8b, 4096-token context", [4096], 32, 8, head_size=128, large=True),
         case("contexts beyond 8k", [8200, 16411], 2, 1, large=True),
         case("batch of 256 sequences", batch, 4, 1, large=True),
@@ -596,7 +596,7 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
         case("one sequence of one token", [1], [0], 4, 2),
         case("65 sequences (past a 64-row tile)", [1, 2, 3, 4, 5] * 13, [0, 7, 16, 3, 30] * 13, 4, 2),
         case("llama2-7b mha (32 kv heads x 128)", [65, 3], [0, 40], 32, 32, head_size=128, large=True),
-        case("soft cap 30 with sliding window 8", [20, 3], [0, 30], 4, 2, window=8, cap=30.0, q_scale=2.0),
+        case("soft cap 5 with sliding window 8, sharp scores", [20, 3], [0, 30], 4, 2, window=8, cap=5.0, q_scale=4.0),
         case("2048 tokens after a cached 1024-token prefix", [2048], [1024], 2, 1, large=True),
     ]
 
