@@ -362,6 +362,7 @@ _DISTRIBUTION_CASES = (
     ("top-k 5", 1.0, 5, 1.0, 20_000),
     ("top-p 0.6", 1.0, 0, 0.6, 20_000),
     ("temperature 1.2, top-k 12, top-p 0.9", 1.2, 12, 0.9, 20_000),
+    ("engine defaults: top_k -1, top_p 1", 1.0, -1, 1.0, 20_000),
 )
 
 
