@@ -25,6 +25,7 @@ from vllm_port.ops.attention import (
     reshape_and_cache_reference,
 )
 from vllm_port.ops.checks import (
+    check_embedding,
     check_fused_add_rms_norm,
     check_gelu_and_mul,
     check_linear,
@@ -466,6 +467,129 @@ def one_sequence_at_a_time(
     )
 
 
+# ---- what the contract allows and the hand samples did not reach (issue 25) ----------------------
+
+
+def int64_tables_as_int32(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0, soft_cap=0.0
+):
+    check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+    if block_tables.dtype == torch.int64:  # the launcher passes the pointer as int32*: every other word is read
+        width = block_tables.shape[1]
+        block_tables = block_tables.contiguous().view(torch.int32)[:, :width]
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+
+
+def int64_cu_seqlens_as_int32(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    cu_seqlens_q,
+    seq_lens,
+    max_query_len,
+    scale,
+    sliding_window=0,
+    soft_cap=0.0,
+):
+    args = (key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale, sliding_window, soft_cap)
+    out = prefill_attention_reference(query, *args)
+    if cu_seqlens_q.dtype == torch.int64:  # read as int32 words: [0, 0, c1, 0, ...] puts every query in sequence 0
+        out[int(cu_seqlens_q[1]) :] = 0
+    return out
+
+
+def x_from_storage_start(x, weight, epsilon):
+    check_rms_norm(x, weight, epsilon)
+    # the launcher passes the storage's base pointer, not the view's: a view at an offset is read from its start
+    return rms_norm_reference(x.as_strided(x.shape, x.stride(), 0), weight, epsilon)
+
+
+def slots_from_storage_start(key, value, key_cache, value_cache, slot_mapping):
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    slots = slot_mapping.as_strided(slot_mapping.shape, slot_mapping.stride(), 0).long()  # the offset is dropped
+    keep = (slots >= 0) & (slots < key_cache.shape[0] * key_cache.shape[1])  # what lies before it, where it fits
+    block_size = key_cache.shape[1]
+    key_cache[slots[keep] // block_size, slots[keep] % block_size] = key[keep]
+    value_cache[slots[keep] // block_size, slots[keep] % block_size] = value[keep]
+
+
+def floor_row_tiles(x):
+    d = check_silu_and_mul(x)
+    out = silu_and_mul_reference(x)
+    rows = out.reshape(-1, d)
+    tiles = max(1, rows.shape[0] // 64)  # 64-row tiles counted with a floor: the partial last tile is never run
+    rows[tiles * 64 :] = 0
+    return out
+
+
+def whole_k_tiles(x, weight, bias=None):
+    check_linear(x, weight, bias)
+    k = x.shape[-1]
+    full = k // 64 * 64 if k > 64 else k  # the K loop runs over whole 64-wide tiles: the tail is dropped
+    return F.linear(x[..., :full], weight[:, :full], bias)
+
+
+def last_vocab_row_zero(input_ids, weight):
+    check_embedding(input_ids, weight)
+    rows = weight.shape[0] - 1  # a bound check `id < vocab - 1` where `id < vocab` was meant
+    out = F.embedding(input_ids.long().clamp(max=rows), weight)
+    return out.masked_fill((input_ids == rows)[..., None], 0.0)
+
+
+def table_of_8192(positions, query, key, head_size, cos_sin_cache, is_neox):
+    # the kernel keeps the first 8192 rows of the table on chip: later positions read the last of them
+    rotary_embedding_reference(positions.clamp(max=8191), query, key, head_size, cos_sin_cache, is_neox)
+
+
+def last_slot_skipped(key, value, key_cache, value_cache, slot_mapping):
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    last = key_cache.shape[0] * key_cache.shape[1] - 1
+    # a bound check `slot < num_slots - 1`: a token bound for the cache's last slot is not written
+    reshape_and_cache_reference(key, value, key_cache, value_cache, torch.where(slot_mapping == last, -1, slot_mapping))
+
+
+def bias_dropped_on_one_row(x, weight, bias=None):
+    check_linear(x, weight, bias)
+    if x.numel() // max(1, x.shape[-1]) == 1:  # the decode (GEMV) path forgets the bias
+        return F.linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
+def cap_dropped_with_window(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0, soft_cap=0.0
+):
+    # the windowed kernel variant was written without the soft cap
+    cap = 0.0 if sliding_window > 0 else soft_cap
+    return _decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, cap)
+
+
+def rows_from_first_dim(x, residual, weight, epsilon):
+    check_fused_add_rms_norm(x, residual, weight, epsilon)
+    residual.add_(x)
+    if residual.dim() <= 2:
+        return rms_norm_reference(residual, weight, epsilon)
+    # [batch, tokens, hidden] taken as [batch, tokens * hidden]: the mean runs over a whole batch row
+    flat = residual.float().flatten(1)
+    variance = flat.pow(2).mean(-1).view(-1, *[1] * (residual.dim() - 1))
+    return _norm(residual, variance, weight, epsilon)
+
+
+def row_tile_of_2048(key, value, key_cache, value_cache, slot_mapping):
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    width = key.shape[1] * key.shape[2]
+    if width <= 2048:
+        return reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
+    # one program copies one 2048-element tile per token: the rest of a wider row is never written
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = key_cache.shape[1]
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        dest = cache[slots // block_size, slots % block_size].flatten(1)
+        dest[:, :2048] = new[keep].flatten(1)[:, :2048]
+        cache[slots // block_size, slots % block_size] = dest.view(-1, *cache.shape[2:])
+
+
 @hookimpl
 def vllm_port_providers():
     def one(op, name, fn, dtype):
@@ -511,6 +635,19 @@ def vllm_port_providers():
         one("silu_and_mul", "in_place_silu_and_mul", silu_in_place, "bfloat16"),
         one("gelu_and_mul", "column_major_gelu_and_mul", column_major_out, "bfloat16"),
         one("paged_attention", "single_sequence_paged_attention", one_sequence_at_a_time, "bfloat16"),
+        one("paged_attention", "int64_tables_paged_attention", int64_tables_as_int32, "bfloat16"),
+        one("prefill_attention", "int64_offsets_prefill_attention", int64_cu_seqlens_as_int32, "bfloat16"),
+        one("rms_norm", "base_pointer_rms_norm", x_from_storage_start, "bfloat16"),
+        one("reshape_and_cache", "base_pointer_reshape_and_cache", slots_from_storage_start, "bfloat16"),
+        one("silu_and_mul", "floor_tiles_silu_and_mul", floor_row_tiles, "bfloat16"),
+        one("linear", "whole_k_tiles_linear", whole_k_tiles, "bfloat16"),
+        one("embedding", "last_row_embedding", last_vocab_row_zero, "bfloat16"),
+        one("rotary_embedding", "table_8192_rotary_embedding", table_of_8192, "bfloat16"),
+        one("reshape_and_cache", "last_slot_reshape_and_cache", last_slot_skipped, "bfloat16"),
+        one("linear", "gemv_bias_linear", bias_dropped_on_one_row, "bfloat16"),
+        one("paged_attention", "window_uncapped_paged_attention", cap_dropped_with_window, "bfloat16"),
+        one("fused_add_rms_norm", "two_dim_fused_add_rms_norm", rows_from_first_dim, "bfloat16"),
+        one("reshape_and_cache", "tile_2048_reshape_and_cache", row_tile_of_2048, "bfloat16"),
     ]
 '''
 
@@ -525,6 +662,11 @@ _PRECISION = "precision"
 _SHAPE = "shape branch"
 _STRAY = "stray writes"
 _STRIDES = "strides"
+_INDEX = "index dtypes"
+_OFFSET = "storage offsets"
+_ROWS = "rows and inner sizes"
+_TABLE = "last table row"
+_COMBINED = "arguments in combination"
 
 # One mutant in three lines: name, op, dtype, class; the bug; the case named in its failure and other message parts.
 # fmt: off
@@ -654,6 +796,46 @@ MUTANTS: tuple[Mutant, ...] = (
     _op_mutant("single_sequence_paged_attention", "paged_attention", "bfloat16", "caught before: raises on batches",
                "decode reads seq_lens as one Python int: any batch of two or more raises",
                "block boundaries, gqa 1", "raised"),
+    # what the contract allows and the hand samples did not reach: generated variants and new hand samples
+    _op_mutant("int64_tables_paged_attention", "paged_attention", "bfloat16", _INDEX,
+               "int64 block tables are read as int32 words (the launcher's pointer type): every other entry is 0",
+               "block boundaries, gqa 1: int64 index views of one buffer, every tensor at a storage offset"),
+    _op_mutant("int64_offsets_prefill_attention", "prefill_attention", "bfloat16", _INDEX,
+               "int64 cu_seqlens_q is read as int32 words: sequences after the first get no output",
+               "block boundaries, gqa 1: int64 index views of one buffer, every tensor at a storage offset"),
+    _op_mutant("base_pointer_rms_norm", "rms_norm", "bfloat16", _OFFSET,
+               "the launcher passes x's storage base pointer: a view at a storage offset is read from the storage's start",
+               "small: every tensor at a storage offset"),
+    _op_mutant("base_pointer_reshape_and_cache", "reshape_and_cache", "bfloat16", _OFFSET,
+               "slot_mapping's storage offset is dropped (the engine's slots are a slice of one upload)",
+               "small: int32 index views of one buffer, every tensor at a storage offset"),
+    _op_mutant("floor_tiles_silu_and_mul", "silu_and_mul", "bfloat16", _ROWS,
+               "64-row tiles are counted with a floor: past 64 rows the partial last tile is never run",
+               "small: 65 rows"),
+    _op_mutant("whole_k_tiles_linear", "linear", "bfloat16", _ROWS,
+               "the K loop runs over whole 64-wide tiles: in_features not a multiple of 64 lose their tail",
+               "in_features 1376 (11008 / 8), 65 rows"),
+    _op_mutant("last_row_embedding", "embedding", "bfloat16", _TABLE,
+               "the bound check is `id < vocab - 1`: the vocabulary's last row comes back zero",
+               "small: index reaches the last row of weight"),
+    _op_mutant("table_8192_rotary_embedding", "rotary_embedding", "bfloat16", _TABLE,
+               "the kernel keeps 8192 rows of cos_sin_cache: positions past 8191 rotate by position 8191",
+               "positions past 8k of a 32768-position table, its last row"),
+    _op_mutant("last_slot_reshape_and_cache", "reshape_and_cache", "bfloat16", _TABLE,
+               "the bound check is `slot < num_slots - 1`: a token bound for the cache's last slot is not written",
+               "small: index reaches the last row of key_cache, value_cache"),
+    _op_mutant("gemv_bias_linear", "linear", "bfloat16", _ROWS,
+               "the one-row (decode, GEMV) path drops the bias",
+               "small with bias: 1 row"),
+    _op_mutant("window_uncapped_paged_attention", "paged_attention", "bfloat16", _COMBINED,
+               "the sliding-window kernel variant ignores soft_cap",
+               "soft cap 5 with sliding window 8, sharp scores"),
+    _op_mutant("two_dim_fused_add_rms_norm", "fused_add_rms_norm", "bfloat16", _ROWS,
+               "a [batch, tokens, hidden] input is taken as [batch, tokens * hidden]: the mean runs over a batch row",
+               "small: 65 rows as 5 x 13 leading dimensions"),
+    _op_mutant("tile_2048_reshape_and_cache", "reshape_and_cache", "bfloat16", _ROWS,
+               "one 2048-element tile per token: MHA's 4096-wide cache rows (32 kv heads x 128) are half written",
+               "llama2-7b mha (32 kv heads x 128)"),
 )
 # fmt: on
 

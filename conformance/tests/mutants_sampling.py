@@ -153,6 +153,28 @@ def statistical_row_keyed(logits, temperature, top_k, top_p, seeds):
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
 
 
+def top_k_minus_one_is_one(logits, temperature, top_k, top_p, seeds):
+    check_sample(logits, temperature, top_k, top_p, seeds)
+    scores = _scores(logits, temperature)
+    k = torch.where(top_k == 0, logits.shape[1], top_k).clamp(min=1)  # only 0 means "all": -1 keeps one token
+    return _draw(logits, temperature, scores, _keep(scores, k, top_p), gumbel_noise(seeds, logits.shape[1]))
+
+
+def int64_top_k_as_int32(logits, temperature, top_k, top_p, seeds):
+    check_sample(logits, temperature, top_k, top_p, seeds)
+    if top_k.dtype == torch.int64:  # read through an int32 pointer: the high words (0, "all") land between the ks
+        top_k = top_k.contiguous().view(torch.int32)[: top_k.shape[0]]
+    scores = _scores(logits, temperature)
+    return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
+
+
+def top_p_from_storage_start(logits, temperature, top_k, top_p, seeds):
+    check_sample(logits, temperature, top_k, top_p, seeds)
+    top_p = top_p.as_strided(top_p.shape, top_p.stride(), 0)  # the engine's top_p is the second half of one upload
+    scores = _scores(logits, temperature)
+    return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
+
+
 @hookimpl
 def vllm_port_providers():
     f32, bf16 = frozenset({torch.float32}), frozenset({torch.bfloat16})
@@ -167,6 +189,9 @@ def vllm_port_providers():
         ("top_p_ignored_sample", top_p_ignored, f32),
         ("top_p_first_sample", top_p_first, f32),
         ("greedy_last_max_sample", greedy_last_max, bf16),
+        ("top_k_minus_one_sample", top_k_minus_one_is_one, f32),
+        ("int64_top_k_sample", int64_top_k_as_int32, f32),
+        ("top_p_offset_sample", top_p_from_storage_start, f32),
     ]
     statistical = [
         ("statistical_temperature_sample", statistical_temperature_off, f32),
@@ -257,6 +282,24 @@ GROUPS = [
                 "greedy, ties at the maximum",
                 "is greedy (temperature 0)",
                 dtype="bfloat16",
+            ),
+            _bitwise(
+                "top_k_minus_one_sample",
+                "only top_k 0 means all tokens: the engine's default -1 is clamped to 1 (greedy)",
+                "engine defaults: top_k -1, top_p 1, greedy rows among sampled",
+                "the reference draws",
+            ),
+            _bitwise(
+                "int64_top_k_sample",
+                "int64 top_k is read through an int32 pointer: the high words (0, all tokens) land between the ks",
+                "256 rows: int64 index views of one buffer, every tensor at a storage offset",
+                "the reference draws",
+            ),
+            _bitwise(
+                "top_p_offset_sample",
+                "top_p's storage offset is dropped (the engine's top_p is the second half of one float upload)",
+                "256 rows: int32 index views of one buffer, every tensor at a storage offset",
+                "the reference draws",
             ),
             Mutant(
                 "statistical_temperature_sample",

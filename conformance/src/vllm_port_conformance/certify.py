@@ -88,7 +88,10 @@ SUITE = "vllm_port_conformance.checks"
 #: what a plugin that fails to load is still checked by: the checks that say why
 LOAD_CHECKS = "vllm_port_conformance.checks.test_platform"
 DEFAULT_WAIVERS = Path(__file__).resolve().parent / "waivers.toml"  # package data: found from a wheel too
-OP_TESTS = ("test_ops::test_provider_",)
+#: the checks of one provider and dtype, counted in the report's coverage (ids ``op-provider-dtype``): a
+#: sampler's equivalence check too, the only one a sampler that draws allowed tokens but not the
+#: reference's fails (top_k -1 taken for 1: always the argmax)
+OP_TESTS = ("test_ops::test_provider_", "test_sampling::test_sampler_equivalence")
 COMMIT_ENV = "VLLM_PORT_GIT_COMMIT"
 PLUGIN_COMMIT_ENV = "VLLM_PORT_PLUGIN_GIT_COMMIT"
 
@@ -305,7 +308,7 @@ def _tolerances() -> list[dict[str, Any]]:
 
 
 def _coverage(tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per op, provider and dtype: passed/total over the generated op checks (ids ``op-provider-dtype``)."""
+    """Per op, provider and dtype: passed/total over the generated op checks and the sampler equivalence (ids ``op-provider-dtype``)."""
     cells: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for t in tests:
         if not t["id"].startswith(OP_TESTS) or "[" not in t["id"]:

@@ -81,7 +81,11 @@ def on_strided_inputs(op, fn):
 @by_dtype
 def test_provider_matches_the_reference_on_strided_inputs(provider, dtype):
     op = OPS[provider.op]
-    small = [s for s in samples(op.name, dtype) if not s.label.startswith(("llama3", "longest"))]
+    small = [
+        s
+        for s in samples(op.name, dtype)
+        if not s.label.startswith(("llama3", "longest")) and any(_strided(a, []) is not a for a in s.args)
+    ]  # not the 1-D variants (x of one row without a row dimension): no column to slice
     assert small
     for sample in small:
         assert op.check(on_strided_inputs(op, provider.fn), sample.args, dtype) is None, sample.label

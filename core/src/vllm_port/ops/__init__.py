@@ -12,7 +12,7 @@ here: ``check_rms_norm`` and the like), so it refuses exactly what the reference
 
 from __future__ import annotations
 
-from ._op import ErrorInput, Op, SampleInput, Tolerance
+from ._op import ErrorInput, IndexedTable, Op, SampleInput, Tolerance, Variants
 from ._registry import FLOAT_DTYPES, REFERENCE, BindContext, BoundOps, OpRegistry, Provider, provider
 from .activation import gelu_and_mul, silu_and_mul
 from .attention import paged_attention, prefill_attention, reshape_and_cache
@@ -58,11 +58,13 @@ __all__ = [
     "BindContext",
     "BoundOps",
     "ErrorInput",
+    "IndexedTable",
     "Op",
     "OpRegistry",
     "Provider",
     "SampleInput",
     "Tolerance",
+    "Variants",
     "check_embedding",
     "check_fused_add_rms_norm",
     "check_gelu_and_mul",

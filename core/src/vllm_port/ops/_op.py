@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ErrorInput", "Op", "SampleInput", "Tolerance"]
+from ._variants import IndexedTable, Variants, generate
+
+__all__ = ["ErrorInput", "IndexedTable", "Op", "SampleInput", "Tolerance", "Variants"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ class Op:
         name: the op's name, also its attribute on bound ops (``kernels.rms_norm``).
         reference: the plain-torch implementation; every provider's signature must equal its own.
         tolerances: per-dtype distance allowed from the float64 reference.
-        samples: makes sample inputs for a dtype and device, small shapes first.
+        hand_samples: makes the hand-written sample inputs for a dtype and device, small shapes
+            first (the shapes of real models, each case's meaning in its label); :meth:`samples`
+            adds the generated variants.
         errors: makes inputs every provider must refuse.
         fake: computes the output's metadata without data, for torch.compile tracing.
         mutates: names of the arguments the op writes in place (checked like outputs).
@@ -78,18 +82,22 @@ class Op:
         value_errors: makes inputs whose *values* break the contract (a token id past the
             vocabulary, a slot past the cache): every provider must refuse them while validation is
             on (:func:`vllm_port.ops.checks.validation`), which conformance turns on.
+        variants: what the op declares about its arguments (index arguments and their dtypes,
+            row arguments, indexed tables) for :meth:`samples` to generate variants of one hand
+            sample (:mod:`vllm_port.ops._variants`); None generates none.
     """
 
     name: str
     reference: Callable[..., Any]
     tolerances: dict[torch.dtype, Tolerance]
-    samples: SampleFactory
+    hand_samples: SampleFactory
     errors: ErrorFactory = lambda device: ()
     fake: Callable[..., Any] | None = None
     mutates: tuple[str, ...] = ()
     checker: Callable[[Op, Callable[..., Any], tuple[Any, ...], torch.dtype], str | None] | None = None
     invariant: Callable[[tuple[Any, ...], Any], str | None] | None = None
     value_errors: ErrorFactory = lambda device: ()
+    variants: Variants | None = None
     signature: inspect.Signature = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +105,28 @@ class Op:
         unknown = set(self.mutates) - set(self.signature.parameters)
         if unknown:
             raise ValueError(f"op {self.name!r} mutates unknown arguments {sorted(unknown)}")
+        if self.variants is not None:
+            declared = {*self.variants.index, *self.variants.rows}
+            declared |= {n for t in self.variants.tables for n in (t.index, *t.tables)}
+            unknown = declared - set(self.signature.parameters)
+            if unknown:
+                raise ValueError(f"op {self.name!r} declares variants of unknown arguments {sorted(unknown)}")
+
+    def samples(self, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
+        """The hand samples, then the variants generated from the one :attr:`variants` names as their base.
+
+        A variant's label is ``"<base label>: <what changed>"``; the variants come last, so the
+        first samples are the hand-written small ones.
+        """
+        samples = list(self.hand_samples(dtype, device, gen))
+        if self.variants is None:
+            return samples
+        base = next((s for s in samples if s.label == self.variants.base), None)
+        if base is None:
+            raise ValueError(f"op {self.name!r}: the variants' base sample {self.variants.base!r} is not a sample")
+        names = list(self.signature.parameters)
+        made = generate(self.variants, names, base.args, gen)
+        return samples + [SampleInput(f"{base.label}: {what}", args, large) for what, args, large in made]
 
     @property
     def dtypes(self) -> frozenset[torch.dtype]:

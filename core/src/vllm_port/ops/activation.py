@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..errors import OpInputError
 from ._checks import check_float
-from ._op import ErrorInput, Op, SampleInput, Tolerance
+from ._op import ErrorInput, Op, SampleInput, Tolerance, Variants
 
 
 def check_gated(op: str, x: torch.Tensor) -> int:
@@ -60,6 +60,9 @@ def _gated_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generato
         case("qwen2.5-7b decode (width 18944)", 2, 18944, 2.0),
         case("llama3-405b decode (width 53248)", 1, 53248, 2.0),
         case("odd width 1001", 3, 1001, 3.0),
+        # tensor-parallel shards of llama2-7b's 11008-wide MLP: 5504 (tp 2) is no multiple of 256, 1376 (tp 8) of 64
+        case("width 5504 (11008 / 2, a tensor-parallel shard)", 3, 5504),
+        case("width 1376 (11008 / 8), 65 tokens", 65, 1376),
         SampleInput("x a slice of a wider row", (fused[:, : 2 * 1536],)),
     ]
 
@@ -93,19 +96,21 @@ silu_and_mul = Op(
     name="silu_and_mul",
     reference=silu_and_mul_reference,
     tolerances=_GATED_TOLERANCES,
-    samples=_gated_samples,
+    hand_samples=_gated_samples,
     errors=_gated_errors,
     fake=_gated_fake,
+    variants=Variants(base="small", rows=("x",), leading=True),
 )
 
 gelu_and_mul = Op(
     name="gelu_and_mul",
     reference=gelu_and_mul_reference,
     tolerances=_GATED_TOLERANCES,
-    samples=_gelu_samples,
+    hand_samples=_gelu_samples,
     errors=lambda device: [
         *_gated_errors(device),
         ErrorInput("unknown approximation", (torch.randn(2, 8, device=device), "fast"), "approximate"),
     ],
     fake=_gated_fake,
+    variants=Variants(base="small", rows=("x",), leading=True),
 )

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import OpInputError
 from ._checks import (
+    INDEX_DTYPES,
     check_float,
     check_index,
     check_int,
@@ -35,7 +36,7 @@ from ._checks import (
     first_bad,
     reads_values,
 )
-from ._op import ErrorInput, Op, SampleInput, Tolerance
+from ._op import ErrorInput, IndexedTable, Op, SampleInput, Tolerance, Variants
 
 _CACHE_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_size")
 
@@ -470,6 +471,7 @@ def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
 
     boundaries = [1, 15, 16, 17, 33]
     batch = torch.randint(1, 81, (256,), generator=gen).tolist()
+    sixty_five = torch.randint(1, 40, (65,), generator=gen).tolist()
     return [
         case("block boundaries, gqa 1", boundaries, 4, 4),
         case("gqa 4", boundaries, 8, 2),
@@ -499,6 +501,11 @@ def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("sharp attention", [64, 300, 517, 1000, 33, 129, 700, 1500], 8, 2, head_size=128, q_scale=4.0),
         case("padded batch (seq_lens 0)", [17, 0, 33, 0], 4, 2),
         case("query a slice of a fused qkv, interleaved caches", boundaries, 4, 2, fused=True, interleaved=True),
+        case("one sequence", [37], 4, 2),
+        case("65 sequences (past a 64-row tile)", sixty_five, 4, 2),
+        # multi-head attention: 32 KV heads of 128, 4096-wide cache rows
+        case("llama2-7b mha (32 kv heads x 128)", [1, 65, 200], 32, 32, head_size=128, large=True),
+        case("soft cap 5 with sliding window 8, sharp scores", boundaries, 4, 2, window=8, cap=5.0, q_scale=4.0),
         case("llama3-8b, 4096-token context", [4096], 32, 8, head_size=128, large=True),
         case("contexts beyond 8k", [8200, 16411], 2, 1, large=True),
         case("batch of 256 sequences", batch, 4, 1, large=True),
@@ -586,6 +593,10 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
             fused=True,
             interleaved=True,
         ),
+        case("one sequence of one token", [1], [0], 4, 2),
+        case("65 sequences (past a 64-row tile)", [1, 2, 3, 4, 5] * 13, [0, 7, 16, 3, 30] * 13, 4, 2),
+        case("llama2-7b mha (32 kv heads x 128)", [65, 3], [0, 40], 32, 32, head_size=128, large=True),
+        case("soft cap 5 with sliding window 8, sharp scores", [20, 3], [0, 30], 4, 2, window=8, cap=5.0, q_scale=4.0),
         case("2048 tokens after a cached 1024-token prefix", [2048], [1024], 2, 1, large=True),
     ]
 
@@ -617,6 +628,10 @@ def _cache_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generato
         case("block size 8, head size 80", 20, 6, 8, 2, 80, skip=2),
         case("block size 32, head size 256", 40, 4, 32, 1, 256, skip=3),
         case("key and value slices of a fused qkv, interleaved caches", 9, 4, 16, 2, 64, skip=2, views=True),
+        case("one token", 1, 4, 16, 2, 64),
+        case("65 tokens (past a 64-row tile)", 65, 8, 16, 2, 64, skip=2),
+        # multi-head attention: 32 KV heads of 128, 4096-wide cache rows
+        case("llama2-7b mha (32 kv heads x 128)", 65, 8, 16, 32, 128),
         case("llama3-8b decode", 64, 64, 16, 8, 128),
         case("llama3-8b prefill", 512, 64, 16, 8, 128),
     ]
@@ -775,31 +790,46 @@ reshape_and_cache = Op(
     name="reshape_and_cache",
     reference=reshape_and_cache_reference,
     tolerances={dtype: Tolerance(0.0, 0.0, "a cache write copies values exactly") for dtype in _ATTENTION_TOLERANCES},
-    samples=_cache_samples,
+    hand_samples=_cache_samples,
     errors=_cache_errors,
     value_errors=_cache_value_errors,
     mutates=("key_cache", "value_cache"),
     fake=lambda key, value, key_cache, value_cache, slot_mapping: None,
+    variants=Variants(
+        base="small",
+        index={"slot_mapping": INDEX_DTYPES},
+        tables=(IndexedTable("slot_mapping", ("key_cache", "value_cache"), dims=2),),
+    ),
 )
 
 paged_attention = Op(
     name="paged_attention",
     reference=paged_attention_reference,
     tolerances=_ATTENTION_TOLERANCES,
-    samples=_decode_samples,
+    hand_samples=_decode_samples,
     errors=_decode_errors,
     value_errors=_decode_value_errors,
     fake=lambda query, *_args: query.new_empty(query.shape),
     invariant=_decode_padding_zero,
+    variants=Variants(
+        base="block boundaries, gqa 1",
+        index={"block_tables": INDEX_DTYPES, "seq_lens": INDEX_DTYPES},
+        tables=(IndexedTable("block_tables", ("key_cache", "value_cache")),),
+    ),
 )
 
 prefill_attention = Op(
     name="prefill_attention",
     reference=prefill_attention_reference,
     tolerances=_ATTENTION_TOLERANCES,
-    samples=_prefill_samples,
+    hand_samples=_prefill_samples,
     errors=_prefill_errors,
     value_errors=_prefill_value_errors,
     fake=lambda query, *_args: query.new_empty(query.shape),
     invariant=_prefill_padding_zero,
+    variants=Variants(
+        base="block boundaries, gqa 1",
+        index={"block_tables": INDEX_DTYPES, "cu_seqlens_q": INDEX_DTYPES, "seq_lens": INDEX_DTYPES},
+        tables=(IndexedTable("block_tables", ("key_cache", "value_cache")),),
+    ),
 )

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import OpInputError
-from ._checks import check_float, check_index, check_same, check_values_in, reads_values
-from ._op import ErrorInput, Op, SampleInput, Tolerance
+from ._checks import INDEX_DTYPES, check_float, check_index, check_same, check_values_in, reads_values
+from ._op import ErrorInput, IndexedTable, Op, SampleInput, Tolerance, Variants
 
 
 def check_embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> None:
@@ -106,6 +106,9 @@ def _linear_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("llama3-8b qkv decode", 4, 4096, 6144, False),
         # A long reduction: partial sums kept in 16 bits lose precision here.
         case("in_features 16384 (llama3-405b)", 16, 16384, 512, False),
+        # tensor-parallel shards of llama2-7b's 11008-wide MLP: no multiple of 256 (5504) or of 64 (1376)
+        case("out_features 5504 (11008 / 2, a tensor-parallel shard), bias", 3, 256, 5504, True),
+        case("in_features 1376 (11008 / 8), 65 rows", 65, 1376, 96, False),
         SampleInput("transposed weight (a view)", (x, transposed, b)),
         SampleInput("x a slice of a wider row", (wide_x, parts(1, 512, 96, False)[1], None)),
     ]
@@ -143,10 +146,17 @@ embedding = Op(
         dtype: Tolerance(0.0, 0.0, "a lookup copies rows exactly")
         for dtype in (torch.float32, torch.bfloat16, torch.float16)
     },
-    samples=_embedding_samples,
+    hand_samples=_embedding_samples,
     errors=_embedding_errors,
     value_errors=_embedding_value_errors,
     fake=lambda input_ids, weight: weight.new_empty((*input_ids.shape, weight.shape[1])),
+    variants=Variants(
+        base="small",
+        index={"input_ids": INDEX_DTYPES},
+        rows=("input_ids",),
+        leading=True,
+        tables=(IndexedTable("input_ids", ("weight",)),),
+    ),
 )
 
 linear = Op(
@@ -157,7 +167,8 @@ linear = Op(
         torch.bfloat16: Tolerance(2e-2, 2e-2, "bfloat16 output rounds to 8 significant bits; inputs are exact"),
         torch.float16: Tolerance(2e-3, 2e-3, "float16 output rounds to 11 significant bits; inputs are exact"),
     },
-    samples=_linear_samples,
+    hand_samples=_linear_samples,
     errors=_linear_errors,
     fake=lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    variants=Variants(base="small with bias", rows=("x",), leading=True),
 )

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import OpInputError
 from ._checks import check_float, check_same, check_writable
-from ._op import ErrorInput, Op, SampleInput, Tolerance
+from ._op import ErrorInput, Op, SampleInput, Tolerance, Variants
 
 
 def _check_norm(op: str, x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
@@ -157,17 +157,19 @@ rms_norm = Op(
     name="rms_norm",
     reference=rms_norm_reference,
     tolerances=_NORM_TOLERANCES,
-    samples=_rms_norm_samples,
+    hand_samples=_rms_norm_samples,
     errors=_rms_norm_errors,
     fake=lambda x, weight, epsilon: x.new_empty(x.shape),
+    variants=Variants(base="small", rows=("x",), leading=True),
 )
 
 fused_add_rms_norm = Op(
     name="fused_add_rms_norm",
     reference=fused_add_rms_norm_reference,
     tolerances=_NORM_TOLERANCES,
-    samples=_fused_add_samples,
+    hand_samples=_fused_add_samples,
     errors=_fused_add_errors,
     mutates=("residual",),
     fake=lambda x, residual, weight, epsilon: x.new_empty(x.shape),
+    variants=Variants(base="small", rows=("x", "residual"), leading=True),
 )

@@ -5,8 +5,17 @@ from __future__ import annotations
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float, check_index, check_int, check_same, check_values_in, check_writable, reads_values
-from ._op import ErrorInput, Op, SampleInput, Tolerance
+from ._checks import (
+    INDEX_DTYPES,
+    check_float,
+    check_index,
+    check_int,
+    check_same,
+    check_values_in,
+    check_writable,
+    reads_values,
+)
+from ._op import ErrorInput, IndexedTable, Op, SampleInput, Tolerance, Variants
 
 
 def check_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox) -> None:
@@ -134,6 +143,15 @@ def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> 
             q, k = q.unflatten(-1, (heads, head_size)), k.unflatten(-1, (kv_heads, head_size))
         return SampleInput(label, (positions, q, k, head_size, table(head_size), neox))
 
+    def long_table(label: str, tokens: int) -> SampleInput:
+        """Positions across a 32768-position table (a 32k context), past 8k and 16k, its last row included."""
+        positions = torch.randint(0, _LONG_TABLE, (tokens,), generator=gen)
+        positions[-1] = _LONG_TABLE - 1
+        q = torch.randn(tokens, 4 * 128, generator=gen).to(device, dtype)
+        k = torch.randn(tokens, 2 * 128, generator=gen).to(device, dtype)
+        table = make_cos_sin_cache(_LONG_TABLE, 128).to(device)
+        return SampleInput(label, (positions.to(device), q, k, 128, table, True))
+
     return [
         case("small neox", 5, 4, 2, 64, 64, True),
         case("small gpt-j", 5, 4, 2, 64, 64, False),
@@ -146,7 +164,12 @@ def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> 
         case("head size 256 (gemma)", 4, 8, 4, 256, 256, True),
         fused_qkv("query and key slices of a fused qkv", False, True),
         fused_qkv("[tokens, heads, head_size] views of a fused qkv, gpt-j", True, False),
+        long_table("positions past 8k of a 32768-position table, its last row", 9),
     ]
+
+
+#: Positions of the long-context sample's table: past 8192 (where most samples' tables end) and 16384.
+_LONG_TABLE = 32768
 
 
 def _errors(device: torch.device) -> list[ErrorInput]:
@@ -182,9 +205,15 @@ rotary_embedding = Op(
         torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bfloat16 output keeps 8 significant bits, rounded once"),
         torch.float16: Tolerance(1e-3, 2e-3, "float16 output keeps 11 significant bits, rounded once"),
     },
-    samples=_samples,
+    hand_samples=_samples,
     errors=_errors,
     value_errors=_value_errors,
     mutates=("query", "key"),
     fake=lambda positions, query, key, head_size, cos_sin_cache, is_neox: None,
+    variants=Variants(
+        base="small neox",
+        index={"positions": INDEX_DTYPES},
+        rows=("positions", "query", "key"),
+        tables=(IndexedTable("positions", ("cos_sin_cache",)),),
+    ),
 )

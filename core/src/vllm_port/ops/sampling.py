@@ -41,7 +41,7 @@ import torch
 
 from ..errors import OpInputError
 from ._checks import check_float, first_bad, reads_values
-from ._op import ErrorInput, Op, SampleInput, Tolerance
+from ._op import ErrorInput, Op, SampleInput, Tolerance, Variants
 
 __all__ = [
     "DISTRIBUTION_SIGNIFICANCE",
@@ -362,6 +362,7 @@ _DISTRIBUTION_CASES = (
     ("top-k 5", 1.0, 5, 1.0, 20_000),
     ("top-p 0.6", 1.0, 0, 0.6, 20_000),
     ("temperature 1.2, top-k 12, top-p 0.9", 1.2, 12, 0.9, 20_000),
+    ("engine defaults: top_k -1, top_p 1", 1.0, -1, 1.0, 20_000),
 )
 
 
@@ -496,6 +497,15 @@ def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> 
         case("large logits, low temperature", 1000, [0.15, 0.2, 0.3, 0.4] * 32, [0] * 128, [1.0] * 128, 0.3, offset=24),
         mixed("mixed batch", 64, 1000),
         mixed("256 rows", 256, 64),
+        # what the engine passes for SamplingParams' defaults (top_k -1, top_p 1.0), greedy rows among sampled ones
+        case(
+            "engine defaults: top_k -1, top_p 1, greedy rows among sampled",
+            100,
+            [0.0, 0.7, 1.0, 0.0] * 4,
+            [-1] * 16,
+            [1.0] * 16,
+        ),
+        case("top_k -1 with top_p per row", 100, [1.0] * 8, [-1] * 8, [0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0, 0.6]),
         case("llama2 vocabulary", 32000, [0.0, 0.7, 1.3], [0, 50, 1000], [1.0, 0.9, 0.95]),
         case("llama3-8b vocabulary", 128256, [0.0, 0.7], [0, 50], [1.0, 0.9]),
         case("qwen2 vocabulary", 151936, [0.8, 1.2], [20, 0], [0.95, 1.0]),
@@ -555,9 +565,14 @@ sample = Op(
         dtype: Tolerance(0.0, 0.0, "checked by the allowed-token oracle and the reference's draws, not by value")
         for dtype in (torch.float32, torch.bfloat16, torch.float16)
     },
-    samples=_samples,
+    hand_samples=_samples,
     errors=_errors,
     value_errors=_value_errors,
     fake=lambda logits, *_args: logits.new_empty((logits.shape[0],), dtype=torch.int64),
     checker=_check_sampler,
+    variants=Variants(
+        base="256 rows",
+        index={"top_k": (torch.int32, torch.int64), "seeds": (torch.int64,)},
+        rows=("logits", "temperature", "top_k", "top_p", "seeds"),
+    ),
 )
