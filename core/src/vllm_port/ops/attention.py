@@ -502,10 +502,14 @@ def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("padded batch (seq_lens 0)", [17, 0, 33, 0], 4, 2),
         case("query a slice of a fused qkv, interleaved caches", boundaries, 4, 2, fused=True, interleaved=True),
         case("one sequence", [37], 4, 2),
+        # a batch of one over a context that ends inside a key partition (split-KV kernels' last partial split)
+        case("one sequence, 1000-token context", [1000], 8, 2, head_size=128),
         case("65 sequences (past a 64-row tile)", sixty_five, 4, 2),
         # multi-head attention: 32 KV heads of 128, 4096-wide cache rows
         case("llama2-7b mha (32 kv heads x 128)", [1, 65, 200], 32, 32, head_size=128, large=True),
         case("soft cap 5 with sliding window 8, sharp scores", boundaries, 4, 2, window=8, cap=5.0, q_scale=4.0),
+        # a small cap over long contexts: hundreds of keys outside the window, each of weight zero, not exp(-cap)
+        case("soft cap 2 with sliding window 8, long contexts", [100, 517], 4, 2, window=8, cap=2.0),
         case("llama3-8b, 4096-token context", [4096], 32, 8, head_size=128, large=True),
         case("contexts beyond 8k", [8200, 16411], 2, 1, large=True),
         case("batch of 256 sequences", batch, 4, 1, large=True),
