@@ -1,6 +1,7 @@
-"""Mutants of the memory and platform parts: allocators that lie and probes that hang.
+"""Mutants of the memory and platform parts: allocators that lie, probes that hang, migrators and
+block pools that are right on small swaps and small pools only.
 
-An allocator and a probe are one per platform, so each mutant is a platform plugin of its own (one
+An allocator, a migrator, a block pool and a probe are one per platform, so each mutant is a platform plugin of its own (one
 ``vllm-port certify`` run each). The plugins register no providers, so their runs do only the
 platform, memory and comm checks (plus three skips of the op checks, which alone would refuse them;
 each mutant's own check must fail as well, naming the plugin). Every plugin is a host-memory "device"
@@ -47,8 +48,33 @@ def vllm_port_allocator(platform):
 """
 
 
+_MIGRATOR_HOOK = """
+@hookimpl
+def vllm_port_migrator(platform):
+    return Migrator() if platform.name == NAME else None
+"""
+
+_POOL_HOOK = """
+@hookimpl
+def vllm_port_block_pool(platform):
+    if platform.name != NAME:
+        return None
+    return lambda budget, block_bytes, block_size: Pool(blocks_for_budget(budget, block_bytes), block_size)
+"""
+
+
 def _allocator_plugin(name: str, allocator: str) -> str:
     return _PLATFORM.format(name=name) + _PROBE + allocator + _ALLOCATOR_HOOK
+
+
+def _migrator_plugin(name: str, migrator: str) -> str:
+    imports = "\nfrom vllm_port.memory import TorchMigrator\n"
+    return _PLATFORM.format(name=name) + imports + _PROBE + migrator + _MIGRATOR_HOOK
+
+
+def _pool_plugin(name: str, pool: str) -> str:
+    imports = "\nfrom vllm_port.kv_pool import BlockPool, blocks_for_budget\n"
+    return _PLATFORM.format(name=name) + imports + _PROBE + pool + _POOL_HOOK
 
 
 def _probe_plugin(name: str, probe: str) -> str:
@@ -132,6 +158,66 @@ class Allocator(HostMemoryAllocator):
             blocks.clear  # BUG: the call's parentheses are missing: empty_cache releases nothing
 '''
 
+FIRST_64 = '''
+class Migrator(TorchMigrator):
+    """Copies blocks with one program per pair."""
+
+    GRID = 64  # programs a launch may have
+
+    def _launch(self, src, dst, src_ids, dst_ids):
+        n = min(len(src_ids), self.GRID)  # BUG: the grid is capped and no program loops: pairs past 64 are dropped
+        return super()._launch(src, dst, src_ids[:n], dst_ids[:n])
+'''
+
+SWAP_LAST_BLOCK = '''
+class Migrator(TorchMigrator):
+    """Copies blocks; the swap space (block-major, contiguous) through a mapping of its bytes."""
+
+    def _launch(self, src, dst, src_ids, dst_ids):
+        def mapped(cache, block):  # BUG: the mapping is sized (num_blocks - 1) blocks: an off-by-one in its length
+            return not cache.is_contiguous() or block < cache.shape[0] - 1
+
+        keep = [(a, b) for a, b in zip(src_ids, dst_ids) if mapped(src, a) and mapped(dst, b)]
+        if keep:  # pairs outside the mapping are skipped, silently
+            super()._launch(src, dst, [a for a, _ in keep], [b for _, b in keep])
+        return None
+'''
+
+SOURCE_RUNS = '''
+class Migrator(TorchMigrator):
+    """Coalesces runs of consecutive blocks into one copy each."""
+
+    def _launch(self, src, dst, src_ids, dst_ids):
+        start = 0
+        while start < len(src_ids):
+            end = start + 1
+            while end < len(src_ids) and src_ids[end] == src_ids[end - 1] + 1:  # BUG: only the source ids are
+                end += 1  # checked for a run; the destination ids are assumed consecutive too
+            first, n = dst_ids[start], end - start
+            dst[first : first + n].copy_(src[src_ids[start] : src_ids[start] + n])
+            start = end
+        return None
+'''
+
+POOL_ONE_WORD = '''
+class Pool(BlockPool):
+    """Tracks free blocks in a bitmap of 64-bit words."""
+
+    def allocate(self, n=1):
+        if isinstance(n, int) and n > 64:  # BUG: one call searches one word: more than 64 blocks is "not now"
+            return None
+        return super().allocate(n)
+'''
+
+POOL_HASH_16 = '''
+class Pool(BlockPool):
+    """Hashes blocks' token ids packed small, to halve the bytes hashed."""
+
+    def hash_block(self, parent_hash, token_ids):
+        packed = [t & 0xFFFF for t in token_ids]  # BUG: 16 bits a token "fit every vocabulary": Llama 3's 128,256 do not
+        return super().hash_block(parent_hash, packed)
+'''
+
 HANG = """
 @hookimpl
 def vllm_port_platform_probe():
@@ -200,6 +286,51 @@ GROUPS: list[MutantGroup] = [
         "test_memory::test_freed_buffers_are_released",
         "still alive after free() and empty_cache()",
         "allocator 'caching allocator'",
+    ),
+    _group(
+        "mig-first-64",
+        _migrator_plugin("mig-first-64", FIRST_64),
+        "the migrator's launch grid is capped at 64 programs, one per pair: a swap of more than 64 blocks drops the rest",
+        "memory: swap size",
+        "test_memory::test_swaps_of_every_class_are_bit_exact",
+        "swap-out of 65 block(s), runs, as a list",
+        "pair 64 of 65",
+        "not copied",
+    ),
+    _group(
+        "mig-swap-last-block",
+        _migrator_plugin("mig-swap-last-block", SWAP_LAST_BLOCK),
+        "the migrator maps the block-major swap space one block short: pairs naming its last block are skipped",
+        "memory: last block",
+        "test_memory::test_swaps_of_every_class_are_bit_exact",
+        "swap-out of 1 block(s), scattered",
+        "(block-major swap space)",
+        "-> block 202), does not hold its source's bits",
+    ),
+    _group(
+        "mig-source-runs",
+        _migrator_plugin("mig-source-runs", SOURCE_RUNS),
+        "the migrator coalesces runs of consecutive source blocks and assumes their destinations consecutive too",
+        "memory: scattered mapping",
+        "test_memory::test_swaps_of_every_class_are_bit_exact",
+        "scattered, as a list",
+        "does not hold its source's bits",
+    ),
+    _group(
+        "pool-one-word",
+        _pool_plugin("pool-one-word", POOL_ONE_WORD),
+        "the block pool searches one 64-bit word of its bitmap a call: allocating more than 64 blocks is always 'not now'",
+        "memory: allocation size",
+        "test_memory::test_block_pool_serves_whole_block_tables",
+        "allocate(65) answered None (cannot allocate now) with 192 blocks free",
+    ),
+    _group(
+        "pool-hash-16-bit",
+        _pool_plugin("pool-hash-16-bit", POOL_HASH_16),
+        "the block pool hashes token ids packed in 16 bits: blocks differing by 65,536 in one id share a prefix-cache entry",
+        "memory: token id range",
+        "test_memory::test_block_hashes_tell_token_ids_apart",
+        "a prefix-cache lookup would serve one prompt's keys for the other",
     ),
     _group(
         "probe-hang",

@@ -11,6 +11,7 @@ from certify_helpers import Certified, run_certify, write_plugin
 
 from vllm_port import cli
 from vllm_port_conformance import certify
+from vllm_port_conformance.comm_ranks import MULTI_RANK_CHECKS
 
 
 @pytest.fixture(scope="session")
@@ -296,11 +297,11 @@ def test_one_device_is_certified_for_1_device_with_the_multi_device_checks_out_o
     assert report["verdict"] == "certified" and certify.headline(report) == "certified for 1 device"
     assert report["scope"]["devices"] == 1 and report["scope"]["comm_ranks"] == 1 and not report["scope"]["full"]
     scoped = sorted(t["id"] for t in report["tests"] if t["state"] == "out_of_scope")
-    assert scoped == ["test_comm::test_comm[p2p_ring]", "test_comm::test_comm[shape_mismatch]"]
-    assert report["summary"]["out_of_scope"] == 2 and report["summary"]["skipped"] == 0
+    assert scoped == sorted(f"test_comm::test_comm[{check}]" for check in MULTI_RANK_CHECKS)  # p2p_ring, p2p[dtype]...
+    assert report["summary"]["out_of_scope"] == len(MULTI_RANK_CHECKS) and report["summary"]["skipped"] == 0
     ran = {t["id"]: t["state"] for t in report["tests"]}
     assert ran["test_comm::test_comm[all_reduce[float32]]"] == ran["test_comm::test_comm[tp_mlp]"] == "passed"
-    assert "2 multi-device checks out of scope: certified for 1 device" in report["reason"]
+    assert f"{len(MULTI_RANK_CHECKS)} multi-device checks out of scope: certified for 1 device" in report["reason"]
     md = (run.report_dir / "report.md").read_text()
     assert "**Verdict: certified for 1 device**" in md and "Scope: 1 device: 1 device(s) in scope" in md
     assert report["command"]["argv"][-2:] == ["--devices", "1"]

@@ -422,3 +422,15 @@ def test_the_swap_bench_says_which_path_made_each_row() -> None:
     ]
     for kv in (device, host):
         kv.close()
+
+
+def test_every_swap_class_of_the_conformance_suite_takes_the_kernel_bit_exact() -> None:
+    # the suite's swap classes (1, 64, 65, 200 blocks; runs and scattered, to the last block; both
+    # directions; pairs as a list and as a tensor) through the one-launch path the CUDA plugin takes
+    from vllm_port_conformance.comm_memory_classes import SWAP_DEVICE_BLOCKS, SWAP_SPACE_BLOCKS
+    from vllm_port_conformance.swap_check import check_swap_classes
+
+    migrator = _migrator()
+    device, host = _device_blocks(SWAP_DEVICE_BLOCKS), _host_blocks(SWAP_SPACE_BLOCKS, seed=1)
+    check_swap_classes(migrator, device, host, "FusedSwapMigrator")
+    assert migrator.launches["torch"] == 0 and migrator.launches["kernel"] > 0 and migrator.fallbacks == []

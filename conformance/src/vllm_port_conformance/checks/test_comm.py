@@ -5,6 +5,10 @@ platform's backend (gloo on CPU) with a short process-group timeout, so a broken
 of hanging. Two ranks where there are two devices (ranks of the host CPU share it); a world of one
 on a one-device machine (or with ``--vllm-port-devices 1``), where the checks that need a peer are
 recorded as out of scope. The rank side lives in :mod:`vllm_port_conformance.comm_ranks`.
+
+Every call is checked for every dtype the contract allows, over every message size class and on
+values of each dtype's whole width (int64 past 2^24, 2^31, 2^53; floats across their range), as
+:mod:`vllm_port_conformance.comm_memory_classes` declares them.
 """
 
 from __future__ import annotations
@@ -12,24 +16,10 @@ from __future__ import annotations
 import pytest
 
 from vllm_port.spawn import run_ranks
-from vllm_port_conformance.comm_ranks import DTYPES, MULTI_RANK_CHECKS, comm_world_size, run_checks
+from vllm_port_conformance.comm_ranks import CHECK_NAMES, MULTI_RANK_CHECKS, comm_world_size, run_checks
 from vllm_port_conformance.recorder import DEVICES_OPTION, out_of_scope
 
 TIMEOUT_S = 30.0
-
-_NAMES = [
-    f"{name}[{str(dt).removeprefix('torch.')}]"
-    for dt in DTYPES
-    for name in ("all_reduce", "all_gather", "all_gather_uneven", "reduce_scatter", "broadcast")
-] + [
-    "non_contiguous",
-    "shape_mismatch",
-    "bad_input",
-    "p2p_ring",
-    "replaced_collectives_keep_p2p",
-    "barrier",
-    "tp_mlp",
-]
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +43,11 @@ def comm_results(plugin, request) -> tuple[int, list[dict[str, str | None]]]:
     return world, results
 
 
-@pytest.mark.parametrize("check", _NAMES)
-def test_comm(comm_results, check, request):
+@pytest.mark.parametrize("check", CHECK_NAMES)
+def test_comm(plugin, comm_results, check, request):
     world, results = comm_results
     if world < 2 and check in MULTI_RANK_CHECKS:
         out_of_scope(request.node, f"{check} needs 2 ranks on 2 devices; this run certifies 1 device")
     for rank, got in enumerate(results):
         assert check in got, f"rank {rank} did not run {check}"
-        assert got[check] is None, got[check]
+        assert got[check] is None, f"plugin {plugin.record.name!r}: {check}: {got[check]}"

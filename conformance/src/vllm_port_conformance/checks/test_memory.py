@@ -28,8 +28,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm_port.memory import Allocator, KVLayout, MemoryContractError, OutOfMemoryError
+from vllm_port.memory import Allocator, KVCache, KVLayout, MemoryContractError, OutOfMemoryError
+from vllm_port_conformance.comm_memory_classes import (
+    HASH_BLOCK_SIZE,
+    POOL_ALLOCATIONS,
+    POOL_BLOCKS,
+    SWAP_DEVICE_BLOCKS,
+    SWAP_SPACE_BLOCKS,
+    TOKEN_ID_CLASSES,
+)
 from vllm_port_conformance.pool_machine import pool_machine
+from vllm_port_conformance.swap_check import check_swap_classes
 
 #: bytes of the allocation whose effect on free memory is measured: far above /proc/meminfo's
 #: usual drift between two readings, and quick to fill on two cores
@@ -355,5 +364,103 @@ def test_swap_between_kv_caches_of_every_tier_is_bit_exact(plugin):
                     )
             finally:
                 swap.close()
+    finally:
+        device.close()
+
+
+# -------------------------------------------------------------------------------------------------
+# The classes the engine reaches (comm_memory_classes): whole block tables, vocabulary-wide token ids,
+# swaps past 64 blocks in both directions
+# -------------------------------------------------------------------------------------------------
+
+
+def test_block_pool_serves_whole_block_tables(plugin):
+    """A pool of 257 blocks hands out batches of 1, 64, 65 and the rest (a long prompt's block
+    table in one call), every block once, the last included, and takes a 200-block table back."""
+    factory = plugin.runtime().block_pool_factory()
+    pool = factory(POOL_BLOCKS * 64, 64, HASH_BLOCK_SIZE)
+    who = f"plugin {plugin.record.name!r}: block pool {type(pool).__name__}"
+    assert pool.num_blocks == POOL_BLOCKS, f"{who}: a budget of {POOL_BLOCKS} blocks made {pool.num_blocks}"
+    tables = []
+    for n in POOL_ALLOCATIONS:
+        free = pool.num_free
+        got = pool.allocate(n)
+        assert got is not None, f"{who}: allocate({n}) answered None (cannot allocate now) with {free} blocks free"
+        assert len(got) == n == len(set(got)), f"{who}: allocate({n}) gave {len(got)} blocks, {len(set(got))} distinct"
+        tables.append(got)
+    handed = sorted(b for t in tables for b in t)
+    assert handed == list(range(POOL_BLOCKS)), (
+        f"{who}: batches of {list(POOL_ALLOCATIONS)} should hand out every block 0..{POOL_BLOCKS - 1} once; "
+        f"missing {sorted(set(range(POOL_BLOCKS)) - set(handed))[:8]}, repeated or foreign "
+        f"{sorted(b for b in set(handed) if handed.count(b) > 1 or not 0 <= b < POOL_BLOCKS)[:8]}"
+    )
+    assert pool.num_free == 0 and pool.allocate(1) is None, f"{who}: a full pool still hands out a block"
+    pool.free([b for t in tables[1:] for b in t])  # one free of 256 blocks
+    pool.free(tables[0])
+    assert pool.num_free == POOL_BLOCKS, f"{who}: {pool.num_free} of {POOL_BLOCKS} blocks free after every free"
+    whole = pool.allocate(POOL_BLOCKS)
+    assert whole is not None and sorted(whole) == list(range(POOL_BLOCKS)), (
+        f"{who}: allocate({POOL_BLOCKS}) of a free pool of {POOL_BLOCKS} blocks gave {whole if whole is None else len(whole)}"
+    )
+    pool.free(whole)
+
+
+def test_block_hashes_tell_token_ids_apart(plugin):
+    """Blocks of the engine's 16 tokens that differ in one token id, at any position, by any id class
+    the vocabularies reach (past 2^8, past 2^16, Llama 3's and Qwen's last ids), or only in their
+    parent, hash apart: an equal hash is a prefix-cache hit that serves another prompt's keys."""
+    factory = plugin.runtime().block_pool_factory()
+    pool = factory(8 * 64, 64, HASH_BLOCK_SIZE)
+    who = f"plugin {plugin.record.name!r}: block pool {type(pool).__name__}"
+    base = [TOKEN_ID_CLASSES[i % len(TOKEN_ID_CLASSES)] for i in range(HASH_BLOCK_SIZE)]
+    parents = [None, pool.hash_block(None, base), pool.hash_block(None, base[::-1])]
+    for parent in parents:
+        assert pool.hash_block(parent, list(base)) == pool.hash_block(parent, base), (
+            f"{who}: hash_block is not deterministic"
+        )
+        seen: dict[int, list[int]] = {}
+        for position in range(HASH_BLOCK_SIZE):
+            for token in TOKEN_ID_CLASSES:
+                block = [*base[:position], token, *base[position + 1 :]]
+                h = pool.hash_block(parent, block)
+                other = seen.setdefault(h, block)
+                assert other == block, (
+                    f"{who}: hash_block({'a parent' if parent is not None else 'no parent'}, ...) gives {h:#x} to "
+                    f"two blocks that differ at {[i for i in range(HASH_BLOCK_SIZE) if other[i] != block[i]]}: "
+                    f"{other} and {block}; a prefix-cache lookup would serve one prompt's keys for the other"
+                )
+    by_parent = {pool.hash_block(p, base) for p in parents}
+    assert len(by_parent) == len(parents), (
+        f"{who}: the same tokens under {len(parents)} parents give {len(by_parent)} hashes"
+    )
+
+
+def test_swaps_of_every_class_are_bit_exact(plugin):
+    """Swaps of 1, 64, 65 and 200 blocks, as runs and scattered (the last block of both caches
+    included), as a list of pairs (the engine's) and an int64 tensor, out of a device cache into
+    block-major swap space of every tier and back in, each direction checked against indexing."""
+    runtime = plugin.runtime()
+    migrator = runtime.migrator()
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=16, block_size=4, dtype=torch.bfloat16)
+    device = runtime.kv_cache(layout, SWAP_DEVICE_BLOCKS * layout.block_bytes)
+    try:
+        for tier in runtime.platform.memory_tiers:
+            # the engine's swap space is block-major in every tier; the device tier also copies layer-major
+            for block_major in (True, False) if tier == "device" else (True,):
+                space = KVCache(
+                    runtime.allocator(tier),
+                    layout,
+                    SWAP_SPACE_BLOCKS * layout.block_bytes,
+                    runtime.block_pool_factory(),
+                    block_major=block_major,
+                )
+                try:
+                    who = (
+                        f"plugin {plugin.record.name!r}: migrator {type(migrator).__name__}, tier {tier!r} "
+                        f"({'block-major' if block_major else 'layer-major'} swap space)"
+                    )
+                    check_swap_classes(migrator, device.blocks, space.blocks, who)
+                finally:
+                    space.close()
     finally:
         device.close()
