@@ -117,6 +117,27 @@ class Allocator(HostMemoryAllocator):
         return torch.empty(pages * 4096, dtype=torch.uint8)[:nbytes]
 '''
 
+HUGE_PAGES = '''
+class Allocator(HostMemoryAllocator):
+    """Carves buffers of 4 MiB or more from one slab of 2 MiB huge pages, one after the other."""
+
+    def __init__(self):
+        super().__init__(pinned=False, name="huge-page allocator")
+        self._slab = torch.empty(64 << 20, dtype=torch.uint8)
+        self._next = 0
+
+    def _alloc(self, nbytes):
+        if nbytes < 4 << 20:
+            return super()._alloc(nbytes)
+        start = self._next
+        self._next += nbytes // (2 << 20) * (2 << 20)  # BUG: rounds down: the remainder overlaps the next buffer
+        return self._slab[start : start + nbytes]
+
+    def _free(self, buffer):
+        if buffer.untyped_storage().data_ptr() != self._slab.untyped_storage().data_ptr():
+            super()._free(buffer)
+'''
+
 SHARED = '''
 class Allocator(HostMemoryAllocator):
     """Keeps freed buffers by size and hands them out again (a caching allocator)."""
@@ -269,6 +290,15 @@ GROUPS: list[MutantGroup] = [
         "memory",
         "test_memory::test_buffers_are_the_size_asked_and_disjoint",
         "_alloc(12,293) returned 12,288 bytes",
+    ),
+    _group(
+        "mem-huge-pages",
+        _allocator_plugin("mem-huge-pages", HUGE_PAGES),
+        "buffers of several 2 MiB huge pages with a remainder (a KV cache of whole blocks) overlap the next one",
+        "memory: buffers past a huge page",
+        "test_memory::test_buffers_are_the_size_asked_and_disjoint",
+        "two live buffers overlap",
+        "allocator 'huge-page allocator'",
     ),
     _group(
         "mem-shared",

@@ -22,6 +22,9 @@ What the engine passes (core's ``engine/parallel.py``, ``parallel.py``, ``engine
   in, each side's ids as the pools handed them out (scattered, the last block of a pool included).
   The engine passes a Python list of ``(src, dst)`` pairs; the contract's protocol names a tensor
   (int64, ``[n, 2]``). The swap space is block-major, the device cache layer-major.
+* The allocator: the KV cache and the swap space are each one buffer of a whole number of blocks,
+  tens of MiB to GiB, rarely a multiple of a 2 MiB huge page; small buffers (staging, metadata)
+  beside them.
 * The block pool: one allocation takes a whole block table; ``hash_block`` hashes ``block_size``
   token ids, each up to the vocabulary (128,256 for Llama 3, 151,936 for Qwen: past 2^16).
 """
@@ -36,6 +39,7 @@ import torch
 from vllm_port.comm import SUPPORTED_DTYPES
 
 __all__ = [
+    "ALLOCATION_SIZES",
     "COMM_CALLS",
     "COMM_DTYPES",
     "INT_VALUE_CLASSES",
@@ -178,6 +182,12 @@ def swap_pairs(swap: SwapClass, src_blocks: int, dst_blocks: int, seed: int) -> 
     src = torch.randperm(src_blocks - 1, generator=g)[: n - 1].sort().values.tolist()  # ascending: runs
     dst = torch.randperm(dst_blocks - 1, generator=g)[: n - 1].tolist()  # shuffled: no run survives
     return [*zip(src, dst, strict=True), (src_blocks - 1, dst_blocks - 1)]
+
+
+#: bytes of the buffers the allocator checks hold live at once: small and odd sizes a caching allocator
+#: hands out again, and buffers of several huge pages (2 MiB) with a remainder, as a KV cache of whole
+#: blocks is: an arena or huge-page path that rounds or aligns them wrongly makes two of them overlap
+ALLOCATION_SIZES = (4096, 3 * 4096 + 5, 4096, 1, 1 << 20, 4096, (8 << 20) + 12_288, (3 << 20) + 5, (16 << 20) + 4096)
 
 
 #: blocks of the pool the allocation check uses, and the batches it takes them in (a decode step's

@@ -30,6 +30,7 @@ import torch
 
 from vllm_port.memory import Allocator, KVCache, KVLayout, MemoryContractError, OutOfMemoryError
 from vllm_port_conformance.comm_memory_classes import (
+    ALLOCATION_SIZES,
     HASH_BLOCK_SIZE,
     POOL_ALLOCATIONS,
     POOL_BLOCKS,
@@ -96,7 +97,7 @@ def test_buffers_are_the_size_asked_and_disjoint(plugin):
     """Every buffer holds exactly the bytes asked for, on the tier's device, and no two live buffers
     share a byte, also when a freed buffer could be reused."""
     runtime = plugin.runtime()
-    sizes = (4096, 3 * 4096 + 5, 4096, 1, 1 << 20, 4096)
+    sizes = ALLOCATION_SIZES
     for tier in runtime.platform.memory_tiers:
         alloc = runtime.allocator(tier)
         who = _who(plugin, tier, alloc)
