@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import ModelLoadError
 from ..ops import FLOAT_DTYPES
-from .config import ModelConfig, model_file, read_json
+from .config import ModelConfig, check_regular_file, model_file, read_json
 
 __all__ = ["WeightSpec", "check_fits", "expected_weights", "load_weights"]
 
@@ -175,6 +175,7 @@ def _gib(nbytes: int) -> str:
 
 def _read_header(path: Path) -> _Header:
     """Name -> (shape, dtype tag) of every tensor in one safetensors file, reading only its header."""
+    check_regular_file(path, "a safetensors weight file")  # a FIFO would hang the reader, a device never end
     if not path.is_file():
         raise ModelLoadError(f"{path}: the weight file is missing; re-download the checkpoint")
     try:
