@@ -36,7 +36,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self.path = Path(path)
-        data = read_model_file(self.path, "the tokenizer", MAX_TOKENIZER_BYTES)
+        data = read_model_file(self.path, TOKENIZER_FILE, MAX_TOKENIZER_BYTES)
         try:
             self._tokenizer = _Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # tokenizers raises its own Exception type for every parse problem
