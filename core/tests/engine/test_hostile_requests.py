@@ -233,3 +233,18 @@ def test_the_table_is_the_configs_when_no_max_is_given():
     assert rope_cos_sin_cache(config, torch.device("cpu"), 10**9).shape[0] == config.max_position_embeddings
     with pytest.raises(ValueError, match="max_positions is 0; it must be an int >= 1"):
         rope_cos_sin_cache(config, torch.device("cpu"), 0)
+
+
+def test_the_table_built_in_chunks_equals_the_one_shot_table():
+    """The table is built a chunk of positions at a time (peak memory: the table); the values are the same bits."""
+    import dataclasses
+
+    from vllm_port.models import load_config, rope_cos_sin_cache, rope_inverse_frequencies
+    from vllm_port.models.llama import _ROPE_CHUNK
+
+    config = dataclasses.replace(load_config(bundled_model_dir()), max_position_embeddings=2 * _ROPE_CHUNK + 5)
+    angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None] * rope_inverse_frequencies(
+        config
+    )
+    one_shot = torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
+    assert torch.equal(rope_cos_sin_cache(config, torch.device("cpu")), one_shot)

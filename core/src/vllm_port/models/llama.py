@@ -84,9 +84,18 @@ def rope_cos_sin_cache(config: ModelConfig, device: torch.device, max_positions:
     if isinstance(positions, bool) or not isinstance(positions, int) or not 1 <= positions:
         raise ValueError(f"max_positions is {max_positions!r}; it must be an int >= 1 (rotary table rows)")
     positions = min(positions, config.max_position_embeddings)
-    angles = torch.arange(positions, dtype=torch.float64)[:, None]
-    angles = angles * rope_inverse_frequencies(config)[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
+    inv_freq = rope_inverse_frequencies(config)
+    half = inv_freq.shape[0]
+    table = torch.empty(positions, 2 * half, dtype=torch.float32)
+    for start in range(0, positions, _ROPE_CHUNK):  # float64 angles a chunk at a time: the peak is the table
+        angles = torch.arange(start, min(start + _ROPE_CHUNK, positions), dtype=torch.float64)[:, None] * inv_freq
+        table[start : start + angles.shape[0], :half] = angles.cos()
+        table[start : start + angles.shape[0], half:] = angles.sin()
+    return table.to(device=device)
+
+
+#: Positions whose float64 angles :func:`rope_cos_sin_cache` computes at once.
+_ROPE_CHUNK = 1 << 14
 
 
 def paged_attention_step(
