@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -28,8 +28,18 @@ import pluggy
 from . import _defaults, hookspecs
 from .api import API_VERSION, ApiRange
 from .errors import ApiVersionError, PluginError, ProviderRejectedError, SelectionError, StrictModeError
-from .faults import STRICT_ENV, describe_unknown, strict_mode, unknown_settings
+from .faults import (
+    SETTINGS,
+    STRICT_ENV,
+    Setting,
+    check_switches,
+    describe_unknown,
+    strict_mode,
+    unknown_settings,
+    warn_unknown_settings,
+)
 from .ops import ALL_OPS, OpRegistry, Provider
+from .ops.debug import check_config
 from .platform import PlatformDescription, ProbeResult, validate_description, validate_probe
 
 __all__ = [
@@ -65,6 +75,7 @@ class PluginRecord:
         providers: the providers it registered; ``rejected`` the messages for those refused.
         error: why the whole plugin was skipped, or ``None``.
         probe_s: seconds its probe took (up to the limit, when it timed out); ``None`` if never probed.
+        settings: the ``VLLM_PORT_<PLUGIN>_*`` variables it declares (``vllm_port_settings``).
     """
 
     name: str
@@ -77,6 +88,7 @@ class PluginRecord:
     rejected: list[str] = field(default_factory=list)
     error: str | None = None
     probe_s: float | None = None
+    settings: dict[str, Setting] = field(default_factory=dict)
 
     @property
     def available(self) -> bool:
@@ -166,6 +178,8 @@ def discover(
     :raises StrictModeError: in strict mode, when anything was skipped or refused (all of it, one per line).
     """
     limit = probe_timeout(probe_timeout_s)
+    check_switches()
+    check_config()  # debug mode's VLLM_PORT_CHECK and VLLM_PORT_CHECK_SEED, read for real when the runtime binds
     found = list(entry_points if entry_points is not None else metadata.entry_points(group=ENTRY_POINT_GROUP))
     spec = plugins if plugins is not None else os.environ.get(PLUGINS_ENV)
     allow, deny = parse_plugin_filter(spec)
@@ -199,6 +213,7 @@ def discover(
             + "\n  ".join(found_now.problems)
             + f"\nFix or uninstall each plugin named, deny it (VLLM_PORT_PLUGINS=-NAME), or unset {STRICT_ENV}"
         )
+    _warn_unknown(found_now, found)
     return found_now
 
 
@@ -221,10 +236,55 @@ def _problems(
                 f"plugin {ep.name!r} is kept out by {source}, but its module {module!r} was imported while the admitted "
                 "plugins loaded, so its code ran; uninstall it, or remove the import from the plugin that makes it"
             )
-    unknown = unknown_settings(ep.name for ep in entry_points)
+    declared = {r.name: r.settings for r in found.plugins if r.error is None}
+    unknown = unknown_settings((ep.name for ep in entry_points), declared=declared)
     if unknown:
-        problems.append(describe_unknown(unknown))
+        known = {*SETTINGS}.union(*declared.values())
+        problems.append(describe_unknown(unknown, known))
     return problems
+
+
+def _warn_unknown(found: Discovery, entry_points: Sequence[metadata.EntryPoint]) -> None:
+    """Outside strict mode: one warning line per unknown ``VLLM_PORT_*`` setting, naming the closest known one."""
+    declared = {r.name: r.settings for r in found.plugins if r.error is None}
+    unknown = unknown_settings((ep.name for ep in entry_points), declared=declared)
+    if unknown:
+        warn_unknown_settings(unknown, {*SETTINGS}.union(*declared.values()))
+
+
+class _InvalidSettingError(SelectionError):
+    """A set value outside a plugin's declared choices: the user's mistake, so discovery stops (not the plugin's)."""
+
+
+def _check_setting_values(record: PluginRecord) -> None:
+    """Refuse a set value outside the choices a plugin declares for it, in every mode.
+
+    :raises SelectionError: naming the setting, its plugin, what it does and the values it accepts.
+    """
+    for name, setting in record.settings.items():
+        raw = os.environ.get(name)
+        if raw is None or not setting.choices or raw.strip().lower() in setting.choices:
+            continue
+        accepted = ", ".join(repr(c) for c in setting.choices)
+        raise _InvalidSettingError(
+            f"{name}={raw!r} is not a value plugin {record.name!r} takes for it ({setting.meaning}); "
+            f"accepted: {accepted}; fix it or unset it"
+        )
+
+
+def _declared_settings(plugin: str, declared: Any) -> dict[str, Setting]:
+    """A plugin's ``vllm_port_settings`` answer, checked: its own ``VLLM_PORT_<PLUGIN>_*`` names, each a ``Setting``."""
+    if not isinstance(declared, Mapping):
+        raise PluginError(f"vllm_port_settings must return a mapping of name -> Setting, got {type(declared).__name__}")
+    prefix = f"VLLM_PORT_{plugin.upper().replace('-', '_')}_"
+    for name, setting in declared.items():
+        if not isinstance(name, str) or not name.startswith(prefix) or name in SETTINGS:
+            raise PluginError(
+                f"vllm_port_settings declares {name!r}; a plugin's settings are named {prefix}* (its own prefix)"
+            )
+        if not isinstance(setting, Setting):
+            raise PluginError(f"vllm_port_settings: {name} must map to a vllm_port.faults.Setting, got {setting!r:.80}")
+    return dict(declared)
 
 
 def _load_one(
@@ -253,6 +313,8 @@ def _load_one(
         except Exception:
             manager.unregister(module)
             raise
+    except _InvalidSettingError:
+        raise
     except PluginError as exc:
         record.error = str(exc)
     except Exception as exc:  # a plugin bug must never take discovery down
@@ -299,6 +361,9 @@ def _check_plugin(
             f"supports contract API {record.api_range}, but core is {API_VERSION}; "
             f"install a {record.distribution} release built for API {API_VERSION}, or a vllm-port release in its range"
         )
+    if call.has("vllm_port_settings"):  # before the probe, which may read them
+        record.settings = _declared_settings(record.name, call("vllm_port_settings"))
+        _check_setting_values(record)
     platform_hooks = [call.has(h) for h in hookspecs.PLATFORM_HOOKS]
     if any(platform_hooks) and not all(platform_hooks):
         raise PluginError(f"a platform plugin must implement both {' and '.join(hookspecs.PLATFORM_HOOKS)}")

@@ -13,24 +13,35 @@ This module is on the ground floor: ops, discovery and the runtime all report th
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 from .errors import SelectionError, StrictModeError
 
 __all__ = [
     "SETTINGS",
     "STRICT_ENV",
+    "SWITCHES",
+    "SWITCH_VALUES",
+    "Setting",
+    "check_switches",
+    "closest_setting",
     "fall_back",
+    "read_switch",
     "register_setting",
     "strict_mode",
     "unknown_settings",
+    "warn_unknown_settings",
 ]
 
 STRICT_ENV = "VLLM_PORT_STRICT"
 _ON = frozenset({"1", "true", "yes", "on"})
-_OFF = frozenset({"", "0", "false", "no", "off"})
+_OFF = frozenset({"0", "false", "no", "off"})
+#: What an on/off setting accepts (any case, surrounding spaces ignored); empty means its default.
+SWITCH_VALUES = ("1", "0", "true", "false", "yes", "no", "on", "off", "")
 
 log = logging.getLogger("vllm_port.faults")
 
@@ -57,6 +68,58 @@ SETTINGS: dict[str, str] = {
 }
 
 
+#: The settings of :data:`SETTINGS` that are on/off switches (:func:`read_switch`): discovery refuses
+#: any other value of them in every mode (:func:`check_switches`). A new switch is added here too.
+SWITCHES: list[str] = [
+    "VLLM_PORT_STRICT",
+    "VLLM_PORT_VALIDATE",
+    "VLLM_PORT_CHECK_WEIGHTS",
+]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``VLLM_PORT_<PLUGIN>_*`` environment variable a plugin reads (``vllm_port_settings``).
+
+    Attributes:
+        meaning: what it does, in a phrase (shown where an unknown or invalid setting is reported).
+        choices: the values it accepts (compared ignoring case and surrounding spaces; ``""`` for
+            "set but empty"), or empty when it takes free text (a path, a list); core refuses any
+            other value in every mode. :data:`SWITCH_VALUES` for an on/off switch.
+    """
+
+    meaning: str
+    choices: tuple[str, ...] = ()
+
+
+def read_switch(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    """An on/off setting: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``; unset or empty: ``default``.
+
+    :raises SelectionError: for any other value, naming the setting and the accepted values.
+    """
+    raw = (os.environ if environ is None else environ).get(name)
+    value = "" if raw is None else raw.strip().lower()
+    if not value:
+        return default
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise SelectionError(
+        f"{name}={raw!r} is not a switch; set it to 1 (on) or 0 (off), or unset it (also accepted: "
+        "true/false, yes/no, on/off)"
+    )
+
+
+def check_switches(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse an invalid value of any core switch (:data:`SWITCHES`) that is set, whatever mode is on.
+
+    :raises SelectionError: naming the first such setting and the values it accepts.
+    """
+    for name in SWITCHES:
+        read_switch(name, environ=environ)
+
+
 def register_setting(name: str, meaning: str) -> None:
     """Declare another ``VLLM_PORT_*`` setting (a new feature's switch), so strict mode accepts it."""
     if not name.startswith("VLLM_PORT_"):
@@ -71,12 +134,7 @@ def strict_mode(strict: bool | None = None) -> bool:
     """
     if strict is not None:
         return bool(strict)
-    raw = os.environ.get(STRICT_ENV, "").strip().lower()
-    if raw in _ON:
-        return True
-    if raw in _OFF:
-        return False
-    raise SelectionError(f"{STRICT_ENV}={raw!r} is not a switch; set it to 1 (strict) or 0 (fall back and record)")
+    return read_switch(STRICT_ENV)
 
 
 def fall_back(what: str, fix: str, *, strict: bool | None = None, record: list[str] | None = None) -> None:
@@ -98,21 +156,63 @@ def fall_back(what: str, fix: str, *, strict: bool | None = None, record: list[s
     log.info("fallback: %s", what)
 
 
-def unknown_settings(plugin_names: Iterable[str], environ: Mapping[str, str] | None = None) -> list[str]:
+def unknown_settings(
+    plugin_names: Iterable[str],
+    environ: Mapping[str, str] | None = None,
+    declared: Mapping[str, Collection[str]] | None = None,
+) -> list[str]:
     """The ``VLLM_PORT_*`` variables set in ``environ`` that neither vllm-port nor an installed plugin reads.
 
-    A plugin's own settings are recognised by their prefix, ``VLLM_PORT_<PLUGIN NAME>_``.
+    A plugin's own settings are named ``VLLM_PORT_<PLUGIN NAME>_*``: for a plugin in ``declared``
+    (plugin name -> the settings it declares through ``vllm_port_settings``) only those it declares;
+    for any other (not loaded, so its declaration is unknown), every name with its prefix.
     """
     env = os.environ if environ is None else environ
-    prefixes = tuple(f"VLLM_PORT_{name.upper().replace('-', '_')}_" for name in plugin_names)
+    declared = declared or {}
+    undeclared = tuple(_prefix(name) for name in plugin_names if name not in declared)
+    scoped = tuple(_prefix(name) for name in declared)
+    known = set(SETTINGS).union(*declared.values())
     return sorted(
-        name for name in env if name.startswith("VLLM_PORT_") and name not in SETTINGS and not name.startswith(prefixes)
+        name
+        for name in env
+        if name.startswith("VLLM_PORT_")
+        and name not in known
+        and (name.startswith(scoped) or not name.startswith(undeclared))
     )
 
 
-def describe_unknown(names: list[str]) -> str:
-    """One sentence naming unknown settings and the known ones, for an error message."""
+def _prefix(plugin_name: str) -> str:
+    return f"VLLM_PORT_{plugin_name.upper().replace('-', '_')}_"
+
+
+def closest_setting(name: str, known: Iterable[str]) -> str | None:
+    """The known setting ``name`` is most likely a misspelling of, or ``None`` when none is close."""
+    found = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+_warned: set[str] = set()
+
+
+def warn_unknown_settings(names: Iterable[str], known: Iterable[str]) -> None:
+    """Print one warning line per unknown setting (once per process), naming the closest known one."""
+    known = sorted(known)
+    for name in names:
+        if name in _warned:
+            continue
+        _warned.add(name)
+        guess = closest_setting(name, known)
+        hint = f"did you mean {guess}? " if guess else ""
+        log.warning(
+            "vllm-port: unknown setting %s is ignored; %s(strict mode, %s=1, refuses it)", name, hint, STRICT_ENV
+        )
+
+
+def describe_unknown(names: list[str], known: Iterable[str] = ()) -> str:
+    """One sentence naming unknown settings, the closest known one of each, and the known ones, for an error message."""
+    known = sorted({*SETTINGS, *known})
+    guesses = [f"{n} (did you mean {g}?)" if (g := closest_setting(n, known)) else n for n in names]
     return (
-        f"unknown setting{'s' if len(names) > 1 else ''} {', '.join(names)} (vllm-port reads {', '.join(sorted(SETTINGS))}, "
-        "and a plugin its own VLLM_PORT_<PLUGIN>_* variables); fix the spelling or unset it"
+        f"unknown setting{'s' if len(names) > 1 else ''} {', '.join(guesses)} (vllm-port reads {', '.join(known)}, "
+        "and a plugin the VLLM_PORT_<PLUGIN>_* variables it declares); fix the spelling or unset it"
     )

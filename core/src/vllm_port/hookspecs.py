@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
     from typing import Any
 
     from .comm import Collectives, PointToPoint
+    from .faults import Setting
     from .flat.passes import GraphPass
     from .graph import GraphCapture
     from .memory import Allocator, BlockPoolFactory, Migrator
@@ -257,6 +258,27 @@ def vllm_port_reclaimer(platform: PlatformDescription) -> Reclaimer | None:
 
     Calling rule: first non-``None`` result wins, so a plugin may replace the reclaimer alone;
     optional (API 1.1). A plan that breaks the rules stops the engine with an error naming the plugin.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Settings
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def vllm_port_settings() -> Mapping[str, Setting]:
+    """Declare the environment variables this plugin reads, so core can check them.
+
+    :return: setting name -> :class:`vllm_port.faults.Setting` (what it does, and the values it
+        accepts; :data:`vllm_port.faults.SWITCH_VALUES` for an on/off switch). Every name must start
+        with ``VLLM_PORT_<PLUGIN>_`` (the plugin's entry-point name in upper case, ``-`` as ``_``).
+        Discovery refuses a set value outside a setting's ``choices`` in every mode, naming the
+        setting, the plugin and the accepted values; strict mode refuses any
+        ``VLLM_PORT_<PLUGIN>_*`` variable the plugin does not declare (a misspelling).
+
+    Calling rule: collect-all; called once per plugin while discovering; optional (a plugin that
+    does not implement it declares no setting).
     """
 
 

@@ -169,11 +169,11 @@ def test_bad_requests_get_an_error_and_the_rest_complete(llama_model, cpu_runtim
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("temperature", -0.5, "temperature is -0.5; it must be a finite number >= 0"),
+        ("temperature", -0.5, r"temperature is -0.5; it must be 0 \(greedy\) or a number in \[1e-05, 3.4e38\]"),
         ("top_p", 0.0, r"top_p is 0.0; it must be in \(0, 1\]"),
         ("top_p", 1.5, r"top_p is 1.5; it must be in \(0, 1\]"),
-        ("top_k", -2, "top_k is -2; it must be an int >= -1"),
-        ("max_tokens", 0, "max_tokens is 0; it must be an int >= 1"),
+        ("top_k", -2, r"top_k is -2; it must be an int in \[-1, 2\*\*63 - 1\]"),
+        ("max_tokens", 0, r"max_tokens is 0; it must be an int in \[1, 2\*\*63 - 1\]"),
         ("stop", [""], "stop is"),
         ("seed", -1, "seed is -1"),
     ],

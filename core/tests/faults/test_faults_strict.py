@@ -60,7 +60,10 @@ def test_unknown_settings_are_refused_in_strict_mode_but_a_plugins_own_are_not(m
     monkeypatch.setenv("VLLM_PORT_CPU_NATIVE", "0")  # the cpu plugin's own
     assert unknown_settings(["cpu"]) == ["VLLM_PORT_DEVCE"]
     assert discover(plugins="cpu").platforms()  # by default: a problem recorded, nothing stops
-    with pytest.raises(StrictModeError, match=r"unknown setting VLLM_PORT_DEVCE \(vllm-port reads .*VLLM_PORT_DEVICE"):
+    with pytest.raises(
+        StrictModeError,
+        match=r"unknown setting VLLM_PORT_DEVCE \(did you mean VLLM_PORT_DEVICE\?\) \(vllm-port reads .*VLLM_PORT_DEVICE",
+    ):
         discover(plugins="cpu", strict=True)
 
 

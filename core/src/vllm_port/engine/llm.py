@@ -54,7 +54,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence as Seq
 from .tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
-__all__ = ["LLM", "CompletionOutput", "EngineError", "RequestOutput", "StreamOutput"]
+__all__ = ["HOST_KV_CACHE_BYTES", "LLM", "CompletionOutput", "EngineError", "RequestOutput", "StreamOutput"]
 
 #: A prompt: text (needs the model's tokenizer.json) or token ids.
 Prompt = str | Sequence[int]
@@ -143,6 +143,9 @@ class LLM:
         ``max_position_embeddings``, or what the KV cache holds when that is less.
     :param kv_cache_memory: the KV cache's budget: a fraction in (0, 1] of the device memory free
         after the weights are loaded, or bytes; never more than ``max_num_seqs`` full contexts need.
+        ``None`` (default): 0.8 of the free memory on a device platform; on a host platform
+        (``device_type`` ``"cpu"``, where the cache shares memory with everything else)
+        :data:`HOST_KV_CACHE_BYTES` (4 GiB), or 0.8 of the free host memory when that is less.
     :param block_size: tokens per KV-cache block; default: the platform's ``kv_block_size`` (16 on CPU,
         128 on CUDA, where attention loads whole key tiles from one block).
     :param max_num_seqs: the most requests running at once.
@@ -176,7 +179,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
-        kv_cache_memory: float | int = 0.8,
+        kv_cache_memory: float | int | None = None,
         *,
         block_size: int | None = None,
         max_num_seqs: int = 256,
@@ -199,8 +202,18 @@ class LLM:
                 "module) runs on one platform; drop placement/devices, or place the core model definitions "
                 "(importer=None)"
             )
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-            raise ValueError(f"max_model_len is {max_model_len!r}; it must be an int >= 2")
+        _check_engine_args(
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            swap_space=swap_space,
+            seed=seed,
+            plugins=plugins,
+            enforce_eager=enforce_eager,
+        )
         self.placement = _placement(placement, devices, device, plugins, tensor_parallel_size)  # None: one platform
         if self.placement is not None:
             self.runtime = self.placement.platforms.default
@@ -244,6 +257,13 @@ class LLM:
             model_file(self.model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
             self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         longest = max_model_len or config.max_position_embeddings
+        kv_cache_memory = _default_kv_budget(self.runtime) if kv_cache_memory is None else kv_cache_memory
+        # the rotary table covers the longest context the cache could hold, not the config's maximum
+        rope = (
+            {}
+            if imported is not None or self.placement or tensor_parallel_size > 1
+            else {"max_positions": _rope_positions(self.runtime, config, self.dtype, longest, kv_cache_memory)}
+        )
         if swap_space is None:
             swap_space = 0 if self.placement else _default_swap(self.runtime, kv_cache_memory)
         self.runner = _make_runner(
@@ -258,12 +278,13 @@ class LLM:
             max_tokens=max_num_seqs * -(-longest // block_size) * block_size,
             **({"make_step": make_step} if make_step is not None else {}),
             **({"placement": self.placement} if self.placement is not None else {}),
+            **rope,
         )
         # the cache's memory goes back to the allocator when the LLM goes away, closed or not
         self._finalizer = weakref.finalize(self, self.runner.close)
         self.config = config
         capacity = self.runner.pool.num_blocks * block_size
-        self.max_model_len = max_model_len or min(config.max_position_embeddings, capacity)
+        self.max_model_len = max_model_len or min(config.max_position_embeddings, capacity, *rope.values())
         try:
             self.scheduler = Scheduler(
                 SchedulerConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
@@ -360,9 +381,17 @@ class LLM:
 
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
         """The prompt's token ids, and what is wrong with it (``None`` when nothing is)."""
+        if isinstance(prompt, _BYTES):  # a Sequence of ints, but text in some encoding, never token ids
+            return [], (
+                f"the prompt is {type(prompt).__name__} ({bytes(prompt)!r:.60}), which is never taken as token ids; "
+                "decode it to text (prompt.decode('utf-8')) or pass a list of int token ids"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 return [], "the prompt is empty; give at least one token"
+            problem = _unicode_problem(prompt)
+            if problem is not None:
+                return [], problem
             if self.tokenizer is None:
                 return [], f"a text prompt needs the model's tokenizer, and {self.model_dir} has no tokenizer.json"
             ids = self.tokenizer.encode(prompt)
@@ -518,8 +547,51 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+#: Binary prompts: refused per request (they are sequences of ints, but bytes of text, not token ids).
+_BYTES = (bytes, bytearray, memoryview)
+
+
+def _unicode_problem(text: str) -> str | None:
+    """What makes ``text`` invalid Unicode (a lone surrogate, which no tokenizer encodes), or ``None``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"the prompt is not valid Unicode: a lone surrogate {text[exc.start]!r} at character {exc.start}; "
+            "fix the text where it was decoded (errors='replace' drops such characters) or pass token ids"
+        )
+    return None
+
+
+def _check_engine_args(**args: Any) -> None:
+    """Refuse an ``LLM`` argument of the wrong type or range, by its own name, before anything is loaded."""
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    rules: dict[str, tuple[Callable[[Any], bool], str]] = {
+        "tensor_parallel_size": (lambda v: is_int(v) and v >= 1, "an int >= 1 (devices to shard the model over)"),
+        "max_model_len": (lambda v: v is None or (is_int(v) and v >= 2), "None or an int >= 2 (prompt and output)"),
+        "kv_cache_memory": (
+            lambda v: v is None or (is_int(v) and v >= 1) or (isinstance(v, float) and 0.0 < v <= 1.0),
+            "None (the platform's default), a fraction in (0, 1] of the free device memory, or an int of bytes >= 1",
+        ),
+        "max_num_seqs": (lambda v: is_int(v) and v >= 1, "an int >= 1 (the most requests running at once)"),
+        "max_num_batched_tokens": (lambda v: is_int(v) and v >= 1, "an int >= 1 (tokens one step may run)"),
+        "swap_space": (lambda v: v is None or (is_int(v) and v >= 0), "None or an int of bytes >= 0 (0: no swap)"),
+        "seed": (lambda v: v is None or is_int(v), "None or an int"),
+        "plugins": (lambda v: v is None or isinstance(v, str), "None or an allow/deny list such as 'cpu' or '-rocm'"),
+        "enable_prefix_caching": (lambda v: isinstance(v, bool), "True or False"),
+        "enforce_eager": (lambda v: isinstance(v, bool), "True or False"),
+    }
+    for name, value in args.items():
+        accepts, expected = rules[name]
+        if not accepts(value):
+            raise ValueError(f"LLM({name}={value!r:.80}): {name} is {value!r:.80}; it must be {expected}")
+
+
 def _as_prompt_list(prompts: Any) -> list[Any]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, *_BYTES)):
         return [prompts]
     if isinstance(prompts, Sequence) and prompts and all(_is_token_id(t) for t in prompts):
         return [prompts]  # one prompt of token ids
@@ -549,6 +621,37 @@ def _resolve_dtype(dtype: str | torch.dtype, checkpoint: torch.dtype) -> torch.d
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in FLOAT_DTYPES))
         raise ValueError(f"dtype {dtype!r} is not one the ops run; use 'auto' or one of {names}")
     return resolved  # type: ignore[return-value]
+
+
+#: The default KV-cache budget on a host platform (``device_type`` ``"cpu"``): the cache shares host
+#: memory with the weights, the OS and every other process, so it takes a bounded share, as vLLM's
+#: CPU build does (its default KV space is 4 GiB too). ``LLM(kv_cache_memory=...)`` overrides it.
+HOST_KV_CACHE_BYTES = 4 << 30
+#: The share of free memory the KV cache takes by default.
+DEFAULT_KV_FRACTION = 0.8
+
+
+def _default_kv_budget(runtime: Runtime) -> float | int:
+    """The KV budget when the user gives none: a share of the device, bounded bytes on a host platform."""
+    if runtime.platform.device_type != "cpu":
+        return DEFAULT_KV_FRACTION
+    free, _ = runtime.allocator().mem_info()
+    return max(1, min(HOST_KV_CACHE_BYTES, int(free * DEFAULT_KV_FRACTION)))
+
+
+def _rope_positions(
+    runtime: Runtime, config: Any, dtype: torch.dtype, longest: int, kv_cache_memory: float | int
+) -> int:
+    """Positions the rotary table needs: ``longest``, or fewer when the budget cannot cache that many tokens.
+
+    The budget's bytes are bounded before the weights load (a fraction of the memory free now is at
+    least that of the memory free after), so the context the cache ends up holding never outgrows the table.
+    """
+    budget = kv_cache_memory
+    if isinstance(budget, float):
+        budget = int(runtime.allocator().mem_info()[0] * budget)
+    token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_size * dtype.itemsize
+    return max(2, min(longest, budget // token_bytes))
 
 
 def _default_swap(runtime: Runtime, kv_cache_memory: float | int) -> int:

@@ -114,6 +114,8 @@ class ModelRunner:
     :param placement: a :class:`~vllm_port.placement.EnginePlacement`: the model's nodes on several
         platforms (``runtime`` is the first), each layer's KV cache on its attention's platform, and
         its step (unless ``make_step`` is given).
+    :param max_positions: positions the rotary table of a model loaded from a directory covers
+        (default: the config's ``max_position_embeddings``); the engine passes its ``max_model_len``.
     """
 
     def __init__(
@@ -130,13 +132,14 @@ class ModelRunner:
         ops: BoundOps | None = None,
         device: torch.device | None = None,
         placement: Any = None,
+        max_positions: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.device = device or runtime.device
         if placement is not None:  # loaded into host memory, each node's weights moved to its platform
             model = placement.prepare(model, dtype or torch.float32, block_size)
         elif isinstance(model, (str, os.PathLike)):  # else a loaded model: LlamaModel, or one of its shape (importer)
-            model = load_model(model, self.device, dtype or torch.float32)
+            model = load_model(model, self.device, dtype or torch.float32, max_positions=max_positions)
         self.model = model
         self.config = model.config
         self.ops = ops or runtime.bind(model.dtype)
@@ -348,6 +351,7 @@ class ModelRunner:
     def _tensors(self, b: StepBatch) -> tuple[Any, ...]:
         """The step's tensors on the device, from one int64 and one float32 host buffer."""
         num_tokens, num_seqs, num_samples = len(b.input_ids), len(b.query_lens), len(b.sample_rows)
+        _check_positions(b.positions, getattr(self.model, "max_positions", None))
         width = max(len(t) for t in b.block_tables) or 1
         tables = [x for t in b.block_tables for x in (*t, *[0] * (width - len(t)))]
         cu_seqlens, rows, total = [0], [], 0
@@ -401,6 +405,15 @@ def _non_finite_row(row: torch.Tensor) -> str:
         f"its logits are finite but so large (largest magnitude {float(row.abs().max()):.3g}) that they sum past "
         "float32's range: the model's activations blew up"
     )
+
+
+def _check_positions(positions: Sequence[int], table_rows: int | None) -> None:
+    """Refuse a step with a position past the model's rotary table (a kernel would read outside it)."""
+    if table_rows is not None and positions and max(positions) >= table_rows:
+        raise ValueError(
+            f"a step places a token at position {max(positions)}, but the model's rotary table covers positions "
+            f"[0, {table_rows}) (its max_positions, the engine's max_model_len); a context must stay below it"
+        )
 
 
 def _budget(runtime: Any, kv_cache_memory: float | int, layout: KVLayout, max_tokens: int | None) -> float | int:

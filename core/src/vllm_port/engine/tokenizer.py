@@ -12,16 +12,22 @@ import os
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from ..models.config import read_model_file
 
-__all__ = ["TOKENIZER_FILE", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["MAX_TOKENIZER_BYTES", "TOKENIZER_FILE", "IncrementalDetokenizer", "Tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
+#: The largest ``tokenizer.json`` read: those of 256k-token vocabularies are some 30 MB.
+MAX_TOKENIZER_BYTES = 256 << 20
 _REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
 _CONTEXT_TOKENS = 6  # prompt tokens that give the first output tokens their context (leading spaces)
 
 
 class Tokenizer:
     """A ``tokenizer.json`` loaded with ``tokenizers``.
+
+    The file must be a regular file of at most :data:`MAX_TOKENIZER_BYTES` (read once, then parsed
+    from memory: a FIFO or device is refused before it is opened for reading).
 
     :raises ModelLoadError: when the file cannot be read or parsed (naming it).
     """
@@ -30,8 +36,9 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self.path = Path(path)
+        data = read_model_file(self.path, TOKENIZER_FILE, MAX_TOKENIZER_BYTES)
         try:
-            self._tokenizer = _Tokenizer.from_file(str(self.path))
+            self._tokenizer = _Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # tokenizers raises its own Exception type for every parse problem
             raise ModelLoadError(
                 f"{self.path}: cannot load the tokenizer ({exc}); re-download or re-save it (tokenizers format)"

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -29,13 +31,17 @@ from ..errors import ModelLoadError
 
 __all__ = [
     "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_INT_DIGITS",
     "ROPE_TYPES",
     "SIZE_LIMITS",
     "SUPPORTED_ARCHITECTURES",
     "ModelConfig",
+    "check_regular_file",
     "load_config",
     "model_file",
     "read_json",
+    "read_model_file",
 ]
 
 #: The ``architectures`` one flat definition (:class:`~vllm_port.models.llama.LlamaModel`) serves.
@@ -241,31 +247,147 @@ def _allowed_roots(root: Path) -> list[Path]:
 #: The largest JSON file of a model directory read (config.json is a few kB, a shard index of a
 #: model with thousands of tensors a few hundred): a bigger one is not read into memory.
 MAX_JSON_BYTES = 64 << 20
+#: The deepest nesting of arrays and objects read from a model directory's JSON: config.json nests
+#: three deep (``rope_scaling``, ``quantization_config``), a shard index two; Python's own parser
+#: recurses once per level and fails past about a thousand, so anything deeper is refused first.
+MAX_JSON_DEPTH = 32
+#: The most digits of an integer in a model directory's JSON: every size and token id fits int64
+#: (19 digits); Python refuses to convert integers of more than 4,300 digits at all.
+MAX_JSON_INT_DIGITS = 20
+#: A JSON string (group 1: its text), a key's colon after it (group 2), or a bracket; what
+#: :func:`_check_depth` walks, so brackets inside strings are not counted.
+_JSON_TOKENS = re.compile(r'"((?:[^"\\]|\\.)*)"(\s*:)?|[\[\]{}]')
+
+
+def read_model_file(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of one file of a model directory: a regular file of at most ``limit`` bytes.
+
+    A FIFO, device, socket or directory is refused before it is read (opening a FIFO for reading
+    would wait for a writer; a device never ends), and the size is checked on the open file, so a
+    file swapped for another between the two checks is still bounded.
+
+    :raises ModelLoadError: naming the file, ``what`` it should be, and what it is instead.
+    """
+    try:
+        _check_regular(path, os.stat(path), what)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            _check_regular(path, info, what)
+            # no buffer beyond the file's size (a read of limit + 1 bytes would allocate them first)
+            data = f.read(min(info.st_size, limit) + 1)
+    except FileNotFoundError:
+        raise ModelLoadError(
+            f"{path}: no {what}; a Hugging Face model directory holds config.json beside its safetensors weights"
+        ) from None
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read {what} ({exc}); re-download or re-save it") from exc
+    if len(data) > limit:
+        raise ModelLoadError(
+            f"{path}: {what} is {max(info.st_size, len(data)):,} bytes; no model's {what} is over {limit:,}: the file "
+            "is damaged or not what it claims; re-download or re-save it"
+        )
+    return data
+
+
+def _check_regular(path: Path, info: os.stat_result, what: str) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(info.st_mode)), "not a regular file")
+        raise ModelLoadError(
+            f"{path}: {what} is a {kind}, not a regular file; vllm-port reads only regular files of a model "
+            "directory: replace it with the file itself"
+        )
+
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def check_regular_file(path: Path, what: str) -> None:
+    """Refuse ``path`` unless it is a regular file (following symlinks); a missing one passes (callers say what is missing).
+
+    :raises ModelLoadError: for a FIFO, device, socket or directory, naming the file and its kind.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read {what} ({exc}); re-download or re-save it") from exc
+    _check_regular(path, info, what)
 
 
 def read_json(path: Path, what: str) -> Mapping[str, Any]:
     """A JSON object from a model directory's file, refusing a missing, oversized, unreadable or non-object one.
 
-    :raises ModelLoadError: naming the file and what was wrong.
+    The file must be a regular file of at most :data:`MAX_JSON_BYTES`, nest at most
+    :data:`MAX_JSON_DEPTH` deep and hold no integer of more than :data:`MAX_JSON_INT_DIGITS` digits.
+
+    :raises ModelLoadError: naming the file, the field where one can be named, and what was wrong.
     """
+    data = read_model_file(path, what, MAX_JSON_BYTES)
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise ModelLoadError(
-                f"{path}: {what} is {size:,} bytes; no model's {what} is over {MAX_JSON_BYTES:,}: the file is "
-                "damaged or not what it claims; re-download or re-save it"
-            )
-        with path.open(encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{path}: cannot read {what} as JSON ({exc}); re-download or re-save it") from exc
+    _check_depth(path, what, text)
+    try:
+        raw = json.loads(text, parse_int=_bounded_int)
+    except _IntTooLongError as exc:
         raise ModelLoadError(
-            f"{path}: no {what}; a Hugging Face model directory holds config.json beside its safetensors weights"
+            f"{path}: {_field_of_long_int(text)} of {what} is an integer of {exc.digits:,} digits; no size or token id "
+            f"has more than {MAX_JSON_INT_DIGITS}: the file is damaged or not what it claims; re-download or re-save it"
         ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path}: cannot read {what} as JSON ({exc}); re-download or re-save it") from exc
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: {what} holds a {type(raw).__name__}; expected a JSON object")
     return raw
+
+
+class _IntTooLongError(ValueError):
+    def __init__(self, digits: int) -> None:
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INT_DIGITS:
+        raise _IntTooLongError(digits)
+    return int(text)
+
+
+def _field_of_long_int(text: str) -> str:
+    """``field 'NAME'`` holding the first over-long integer of ``text``, or ``a value`` when it is in an array."""
+    long_int = rf"-?\d{{{MAX_JSON_INT_DIGITS + 1},}}"
+    for match in re.finditer(rf'"((?:[^"\\]|\\.)*)"\s*:\s*({long_int})|({long_int})', text):
+        return f"field {match.group(1)!r}" if match.group(1) is not None else "a value in an array"
+    return "a value"
+
+
+def _check_depth(path: Path, what: str, text: str) -> None:
+    """Refuse JSON nested deeper than :data:`MAX_JSON_DEPTH`, naming the top-level field that holds the nesting."""
+    depth, field = 0, None
+    for match in _JSON_TOKENS.finditer(text):
+        lexeme = match.group(0)
+        if match.group(2) is not None and depth == 1:
+            field = match.group(1)
+        elif lexeme in ("[", "{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                where = f"field {field!r}" if field is not None else "its top level"
+                raise ModelLoadError(
+                    f"{path}: {where} of {what} nests arrays and objects more than {MAX_JSON_DEPTH} deep; no model's "
+                    f"{what} nests more than a few levels: the file is damaged or not what it claims; re-download it"
+                )
+        elif lexeme in ("]", "}"):
+            depth -= 1
 
 
 def _architecture(fields: _Fields) -> str:

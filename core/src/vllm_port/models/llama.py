@@ -74,11 +74,28 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return keep * inv_freq + (1.0 - keep) * inv_freq / scaling["factor"]
 
 
-def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """The ``rotary_embedding`` table: float32 ``[max_position_embeddings, head_size]``, cosines then sines."""
-    angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None]
-    angles = angles * rope_inverse_frequencies(config)[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=torch.float32)
+def rope_cos_sin_cache(config: ModelConfig, device: torch.device, max_positions: int | None = None) -> torch.Tensor:
+    """The ``rotary_embedding`` table: float32 ``[positions, head_size]``, cosines then sines.
+
+    ``positions`` is ``max_positions`` (the engine's ``max_model_len``: what its requests can reach),
+    else the config's ``max_position_embeddings``, and never more than that.
+    """
+    positions = config.max_position_embeddings if max_positions is None else max_positions
+    if isinstance(positions, bool) or not isinstance(positions, int) or not 1 <= positions:
+        raise ValueError(f"max_positions is {max_positions!r}; it must be an int >= 1 (rotary table rows)")
+    positions = min(positions, config.max_position_embeddings)
+    inv_freq = rope_inverse_frequencies(config)
+    half = inv_freq.shape[0]
+    table = torch.empty(positions, 2 * half, dtype=torch.float32)
+    for start in range(0, positions, _ROPE_CHUNK):  # float64 angles a chunk at a time: the peak is the table
+        angles = torch.arange(start, min(start + _ROPE_CHUNK, positions), dtype=torch.float64)[:, None] * inv_freq
+        table[start : start + angles.shape[0], :half] = angles.cos()
+        table[start : start + angles.shape[0], half:] = angles.sin()
+    return table.to(device=device)
+
+
+#: Positions whose float64 angles :func:`rope_cos_sin_cache` computes at once.
+_ROPE_CHUNK = 1 << 14
 
 
 def paged_attention_step(
@@ -139,11 +156,20 @@ class LlamaModel:
     :param consume: remove each tensor from ``weights`` (a dict) once the model holds it, so that
         the unfused q/k/v and gate/up parts are freed layer by layer while fusing: peak memory
         stays one model plus one layer. :func:`load_model` does this.
+    :param max_positions: positions the rotary table covers (:attr:`max_positions`); default the
+        config's ``max_position_embeddings``. Positions past it must never reach :meth:`forward`.
     :raises ModelLoadError: for a missing tensor, a shape that disagrees with ``config``, or mixed
         dtypes or devices.
     """
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *, consume: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        consume: bool = False,
+        max_positions: int | None = None,
+    ) -> None:
         self.config = config
         _check_weights(config, weights)
         take = weights.pop if consume and isinstance(weights, MutableMapping) else weights.__getitem__
@@ -153,7 +179,7 @@ class LlamaModel:
         norms = [take(f"model.layers.{i}.input_layernorm.weight") for i in range(config.num_layers)]
         next_norms = [*norms[1:], self.final_norm]
         self.layers = [self._layer(take, i, norms[i], next_norms[i]) for i in range(config.num_layers)]
-        self.cos_sin_cache = rope_cos_sin_cache(config, self.embed_tokens.device)
+        self.cos_sin_cache = rope_cos_sin_cache(config, self.embed_tokens.device, max_positions)
         self.scale = config.head_size**-0.5
 
     def _layer(
@@ -177,6 +203,11 @@ class LlamaModel:
             down_weight=take(mlp + "down_proj.weight"),
             next_norm=next_norm,
         )
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary table covers: a token's position must be below it."""
+        return int(self.cos_sin_cache.shape[0])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -262,12 +293,16 @@ def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> 
     check_dtype(first.dtype)
 
 
-def load_model(model_dir: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype) -> LlamaModel:
+def load_model(
+    model_dir: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None
+) -> LlamaModel:
     """Read ``config.json``, stream the safetensors weights to ``device`` in ``dtype``, and build the model.
+
+    ``max_positions``: the rotary table's rows (default the config's ``max_position_embeddings``).
 
     :raises ModelLoadError: for anything in the directory the model cannot run (see
         :func:`~vllm_port.models.config.load_config` and :func:`~vllm_port.models.loader.load_weights`).
     """
     config = load_config(model_dir)
     weights = load_weights(model_dir, config, device, dtype)
-    return LlamaModel(config, weights, consume=True)
+    return LlamaModel(config, weights, consume=True, max_positions=max_positions)

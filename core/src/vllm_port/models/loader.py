@@ -29,16 +29,15 @@ from typing import NoReturn
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import ModelLoadError, SelectionError
+from ..errors import ModelLoadError
+from ..faults import read_switch
 from ..ops import FLOAT_DTYPES
-from .config import ModelConfig, model_file, read_json
+from .config import ModelConfig, check_regular_file, model_file, read_json
 
 __all__ = ["CHECK_WEIGHTS_ENV", "WeightSpec", "check_fits", "checking_weights", "expected_weights", "load_weights"]
 
 #: ``VLLM_PORT_CHECK_WEIGHTS=0`` loads weights without looking for NaN and Inf in them (on by default).
 CHECK_WEIGHTS_ENV = "VLLM_PORT_CHECK_WEIGHTS"
-_ON = ("", "1", "on", "true", "yes")
-_OFF = ("0", "off", "false", "no")
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -184,6 +183,7 @@ def _gib(nbytes: int) -> str:
 
 def _read_header(path: Path) -> _Header:
     """Name -> (shape, dtype tag) of every tensor in one safetensors file, reading only its header."""
+    check_regular_file(path, "a safetensors weight file")  # a FIFO would hang the reader, a device never end
     if not path.is_file():
         raise ModelLoadError(f"{path}: the weight file is missing; re-download the checkpoint")
     try:
@@ -257,13 +257,7 @@ def checking_weights() -> bool:
 
     :raises SelectionError: for a value that is not a switch.
     """
-    raw = os.environ.get(CHECK_WEIGHTS_ENV, "").strip().lower()
-    if raw in _ON or raw in _OFF:
-        return raw in _ON
-    raise SelectionError(
-        f"{CHECK_WEIGHTS_ENV}={raw!r} is not a switch; set it to 1 (refuse weights holding NaN or Inf, the default) "
-        "or 0 (load them unchecked)"
-    )
+    return read_switch(CHECK_WEIGHTS_ENV, default=True)
 
 
 def _all_finite(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ accelerator is a device-to-host synchronisation, and run only while validation i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,21 +17,30 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import OpInputError
+from ..faults import read_switch
 from ..graph import is_capturing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-#: ``VLLM_PORT_VALIDATE=1`` turns the value checks on for the whole process (read once, at import).
+#: ``VLLM_PORT_VALIDATE=1`` turns the value checks on for the whole process (read once, at the first check).
 VALIDATE_ENV = "VLLM_PORT_VALIDATE"
-_FROM_ENV = os.environ.get(VALIDATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+_from_env: bool | None = None  # VLLM_PORT_VALIDATE, once read
 _override: ContextVar[bool | None] = ContextVar("vllm_port_validate", default=None)
 
 
 def validation_enabled() -> bool:
-    """Whether op input checks also read tensor values: inside :func:`validation`, else ``VLLM_PORT_VALIDATE``."""
+    """Whether op input checks also read tensor values: inside :func:`validation`, else ``VLLM_PORT_VALIDATE``.
+
+    :raises SelectionError: when ``VLLM_PORT_VALIDATE`` is not an on/off switch (discovery refuses it first).
+    """
+    global _from_env
     forced = _override.get()
-    return _FROM_ENV if forced is None else forced
+    if forced is not None:
+        return forced
+    if _from_env is None:
+        _from_env = read_switch(VALIDATE_ENV)
+    return _from_env
 
 
 @contextmanager

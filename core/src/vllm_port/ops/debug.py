@@ -401,6 +401,7 @@ def check_config(spec: str | None = None) -> CheckConfig | None:
 
     :raises SelectionError: for a rate or seed that is not one.
     """
+    seed = _check_seed()  # read even when debug mode is off: an invalid seed is an error in every mode
     raw = (os.environ.get(CHECK_ENV, "") if spec is None else spec).strip().lower()
     if raw in ("", "0", "off", "false", "no"):
         return None
@@ -416,12 +417,15 @@ def check_config(spec: str | None = None) -> CheckConfig | None:
                 f"{CHECK_ENV}={raw!r} is not a share of calls; give a number in (0, 1] (0.01: one call in a hundred, "
                 f"1: every call), 'on' for {DEFAULT_CHECK_RATE}, or 0 to turn debug mode off"
             )
+    return CheckConfig(rate, seed, Path(os.environ.get(CHECK_DIR_ENV) or DEFAULT_CHECK_DIR))
+
+
+def _check_seed() -> int:
     seed_text = os.environ.get(CHECK_SEED_ENV, "0").strip() or "0"
     try:
-        seed = int(seed_text)
+        return int(seed_text)
     except ValueError:
         raise SelectionError(f"{CHECK_SEED_ENV}={seed_text!r} is not an integer seed") from None
-    return CheckConfig(rate, seed, Path(os.environ.get(CHECK_DIR_ENV) or DEFAULT_CHECK_DIR))
 
 
 def _capturing() -> bool:

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from vllm_port.errors import OpInputError, StrictModeError
-from vllm_port.faults import fall_back
+from vllm_port.faults import fall_back, read_switch
 from vllm_port.ops import BindContext, provider
 from vllm_port.ops.attention import check_paged_attention, check_prefill_attention
 
@@ -87,7 +87,7 @@ _float16 = False  # the loaded build converts float16
 
 
 def _disabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+    return not read_switch(ENV_SWITCH, default=True)  # a value that is no switch is an error, not "on"
 
 
 def _compiler() -> str | None:
