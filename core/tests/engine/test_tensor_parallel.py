@@ -44,3 +44,12 @@ def test_shards_put_together_give_the_full_weights(llama_model):
 def test_a_size_that_does_not_split_the_model_is_refused_before_anything_starts(llama_model, cpu_runtime):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not split num_attention_heads=4"):
         make_llm(llama_model, cpu_runtime, tensor_parallel_size=3)
+
+
+def test_a_rank_builds_its_rotary_table_for_the_engines_context_not_the_configs(llama_model):
+    """A shard's rope table has the rows the engine asks for (its max_model_len), as a one-device model's has."""
+    from vllm_port.engine.parallel import load_shard
+
+    shard = load_shard(llama_model, torch.device("cpu"), torch.float32, 1, 2, max_positions=48)
+    assert shard.max_positions == 48
+    assert shard.cos_sin_cache.shape[0] == 48

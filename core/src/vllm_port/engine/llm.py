@@ -261,8 +261,12 @@ class LLM:
         # the rotary table covers the longest context the cache could hold, not the config's maximum
         rope = (
             {}
-            if imported is not None or self.placement or tensor_parallel_size > 1
-            else {"max_positions": _rope_positions(self.runtime, config, self.dtype, longest, kv_cache_memory)}
+            if imported is not None or self.placement
+            else {
+                "max_positions": _rope_positions(
+                    self.runtime, config, self.dtype, longest, kv_cache_memory, tensor_parallel_size
+                )
+            }
         )
         if swap_space is None:
             swap_space = 0 if self.placement else _default_swap(self.runtime, kv_cache_memory)
@@ -640,17 +644,19 @@ def _default_kv_budget(runtime: Runtime) -> float | int:
 
 
 def _rope_positions(
-    runtime: Runtime, config: Any, dtype: torch.dtype, longest: int, kv_cache_memory: float | int
+    runtime: Runtime, config: Any, dtype: torch.dtype, longest: int, kv_cache_memory: float | int, ranks: int = 1
 ) -> int:
     """Positions the rotary table needs: ``longest``, or fewer when the budget cannot cache that many tokens.
 
     The budget's bytes are bounded before the weights load (a fraction of the memory free now is at
     least that of the memory free after), so the context the cache ends up holding never outgrows the table.
+    With ``ranks`` tensor-parallel ranks each rank's cache holds its share of the KV heads.
     """
     budget = kv_cache_memory
     if isinstance(budget, float):
         budget = int(runtime.allocator().mem_info()[0] * budget)
-    token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_size * dtype.itemsize
+    kv_heads = max(1, config.num_kv_heads // ranks)
+    token_bytes = 2 * config.num_layers * kv_heads * config.head_size * dtype.itemsize
     return max(2, min(longest, budget // token_bytes))
 
 

@@ -135,14 +135,22 @@ class TensorParallelOps:
 
 
 def load_shard(
-    model_dir: str | os.PathLike[str], device: torch.device, dtype: torch.dtype, rank: int, world_size: int
+    model_dir: str | os.PathLike[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+    max_positions: int | None = None,
 ) -> LlamaModel:
-    """Rank ``rank``'s model: the full weights read to host memory, cut, and the shard moved to ``device``."""
+    """Rank ``rank``'s model: the full weights read to host memory, cut, and the shard moved to ``device``.
+
+    ``max_positions``: the rotary table's rows (default the config's ``max_position_embeddings``).
+    """
     config = load_config(model_dir)
     local = shard_config(config, rank, world_size)
     full = load_weights(model_dir, config, torch.device("cpu"), dtype)
     shard = {k: v.to(device) for k, v in shard_weights(config, full, rank, world_size).items()}
-    return LlamaModel(local, shard, consume=True)
+    return LlamaModel(local, shard, consume=True, max_positions=max_positions)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -177,10 +185,12 @@ def _worker(
             torch.set_num_threads(spec["threads"])
         runtime = vllm_port.load(spec["plugins"], spec["platform"])
         ctx = init_from_env(runtime, spec["timeout_s"])
-        model = load_shard(spec["model_dir"], ctx.device, spec["dtype"], rank, world_size)
+        runner_kwargs = dict(spec["runner"])
+        max_positions = runner_kwargs.pop("max_positions", None)  # the shard is loaded here, with its rotary table
+        model = load_shard(spec["model_dir"], ctx.device, spec["dtype"], rank, world_size, max_positions)
         row = [w for layer in model.layers for w in (layer.o_weight, layer.down_weight)]
         ops = TensorParallelOps(runtime.bind(spec["dtype"]), runtime.communicator(), row)
-        runner = ModelRunner(runtime, model, ops=ops, device=ctx.device, **spec["runner"])
+        runner = ModelRunner(runtime, model, ops=ops, device=ctx.device, **runner_kwargs)
         swap_blocks = runner.swap_pool.num_blocks if runner.swap_pool is not None else 0
         outbox.put(("ready", rank, (runner.pool.num_blocks, swap_blocks, runner.provider_per_op)))
         while (batch := inbox.get()) is not None:
