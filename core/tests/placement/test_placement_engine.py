@@ -143,7 +143,8 @@ def test_bench_placement_runs_tiny(cpu_jit: float, capsys: pytest.CaptureFixture
     assert placed_row["cold_step_ms"] >= 0.7 * jit_per_step_ms
     assert placed_row["step_ms"] < 0.4 * jit_per_step_ms
     w = result["workload"]
-    rope_table = w["max_position_embeddings"] * (w["hidden_size"] // w["num_heads"]) * 4  # float32 cos/sin
+    # float32 cos/sin for the engine's max_model_len (the prompt and the output), not the config's maximum
+    rope_table = (6 + output_len) * (w["hidden_size"] // w["num_heads"]) * 4
     assert placed_row["device_weight_bytes"] == result["weights_bytes"] - result["moved_bytes"] + rope_table
     table = placement.render(result)
     assert "| mlp,lm_head on cpu, rest on cpu-jit | 2 |" in table and "first run step ms" in table

@@ -261,7 +261,7 @@ class LLM:
         # the rotary table covers the longest context the cache could hold, not the config's maximum
         rope = (
             {}
-            if imported is not None or self.placement
+            if imported is not None
             else {
                 "max_positions": _rope_positions(
                     self.runtime, config, self.dtype, longest, kv_cache_memory, tensor_parallel_size

@@ -137,7 +137,7 @@ class ModelRunner:
         self.runtime = runtime
         self.device = device or runtime.device
         if placement is not None:  # loaded into host memory, each node's weights moved to its platform
-            model = placement.prepare(model, dtype or torch.float32, block_size)
+            model = placement.prepare(model, dtype or torch.float32, block_size, max_positions)
         elif isinstance(model, (str, os.PathLike)):  # else a loaded model: LlamaModel, or one of its shape (importer)
             model = load_model(model, self.device, dtype or torch.float32, max_positions=max_positions)
         self.model = model

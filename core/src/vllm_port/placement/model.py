@@ -330,13 +330,14 @@ class EnginePlacement:
         unique = [n for i, n in enumerate(names) if n not in names[:i]]
         return cls(policy, load_many(unique, plugins), budgets=budgets)
 
-    def prepare(self, model: Any, dtype: torch.dtype, block_size: int) -> Any:
-        """The model (loaded from a directory into host memory when it is one), placed."""
+    def prepare(self, model: Any, dtype: torch.dtype, block_size: int, max_positions: int | None = None) -> Any:
+        """The model (loaded from a directory into host memory when it is one, its rotary table for
+        ``max_positions`` positions), placed."""
         from ..models import load_model
 
         if isinstance(model, (str, os.PathLike)):
             # host memory: each weight then moves once to the platform of its nodes
-            model = load_model(model, torch.device("cpu"), dtype)
+            model = load_model(model, torch.device("cpu"), dtype, max_positions=max_positions)
         self.model = PlacedModel(
             model, self.policy, self.platforms, model.dtype, block_size=block_size, budgets=self.budgets
         )
