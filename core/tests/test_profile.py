@@ -24,7 +24,7 @@ import vllm_port
 from vllm_port.cli import main
 from vllm_port.data import bundled_model_dir
 from vllm_port.flat import PHASES, FlatModel
-from vllm_port.graph import GraphCapture, is_capturing
+from vllm_port.graph_capture import GraphCapture, is_capturing
 from vllm_port.models import load_model
 from vllm_port.profile import (
     FORMAT,

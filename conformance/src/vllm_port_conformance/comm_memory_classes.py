@@ -4,7 +4,7 @@ Each class is one the engine reaches or the contract allows, at the sizes where 
 switch algorithm, chunk or protocol; the checks are generated from these tables, so a class added
 here is checked everywhere it applies.
 
-What the engine passes (core's ``engine/parallel.py``, ``parallel.py``, ``engine/runner.py``):
+What the engine passes (core's ``engine/tensor_parallel.py``, ``sharded_layers.py``, ``engine/runner.py``):
 
 * ``all_reduce``: the partial products of the row-parallel linears (o_proj, down_proj) and the
   vocabulary-parallel embedding, ``[tokens, hidden]`` in the model's dtype (float32, bfloat16,

@@ -20,7 +20,7 @@ import torch
 import vllm_port
 from vllm_port.comm import Communicator, DistContext, TorchCollectives
 from vllm_port.errors import CommCapabilityError, CommInputError, CommShapeMismatchError
-from vllm_port.parallel import ColumnParallelLinear, RowParallelLinear
+from vllm_port.sharded_layers import ColumnParallelLinear, RowParallelLinear
 from vllm_port_conformance.comm_memory_classes import (
     COMM_CALLS,
     COMM_DTYPES,

@@ -100,17 +100,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .profile.command import run
+    from .profile.profile_command import run
 
     return run(args)
 
 
 def _bench_model(args: argparse.Namespace) -> int:
-    from .bench import model
+    from .bench import decode_modes
 
     batches = [int(b) for b in args.batches.split(",")]
-    modes = args.modes.split(",") if args.modes else model.MODES
-    return model.main(
+    modes = args.modes.split(",") if args.modes else decode_modes.MODES
+    return decode_modes.main(
         args.device,
         args.shape,
         args.layers,
@@ -138,7 +138,7 @@ def _bench_placement(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine.command import run
+    from .engine.generate_command import run
 
     return run(args)
 
@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         "profile",
         help="time every node of a decode and a prefill step by stack layer, op and provider; --baseline for CI",
     )
-    from .profile.command import add_arguments as add_profile_arguments  # light: no model code loads
+    from .profile.profile_command import add_arguments as add_profile_arguments  # light: no model code loads
 
     add_profile_arguments(profile)
     profile.set_defaults(run=_profile)
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     check_repro.set_defaults(run=_check_repro)
 
     generate = commands.add_parser("generate", help="generate text with the engine (default: the bundled model)")
-    from .engine.command import add_arguments as add_generate_arguments  # light: no model code loads
+    from .engine.generate_command import add_arguments as add_generate_arguments  # light: no model code loads
 
     add_generate_arguments(generate)
     generate.set_defaults(run=_generate)

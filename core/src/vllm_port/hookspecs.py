@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .comm import Collectives, PointToPoint
     from .faults import Setting
     from .flat.passes import GraphPass
-    from .graph import GraphCapture
+    from .graph_capture import GraphCapture
     from .memory import Allocator, BlockPoolFactory, Migrator
     from .ops import Provider
     from .platform import PlatformDescription, ProbeResult
@@ -97,7 +97,7 @@ def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | Non
     """Provide graph capture (CUDA graphs, HIP graphs) for ``platform``.
 
     :param platform: the selected platform; only asked when its description says ``graph_capture``.
-    :return: a :class:`vllm_port.graph.GraphCapture`, or ``None`` when this plugin has none for it.
+    :return: a :class:`vllm_port.graph_capture.GraphCapture`, or ``None`` when this plugin has none for it.
 
     Calling rule: first non-``None`` result wins.
     """

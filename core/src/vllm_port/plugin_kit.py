@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .graph import GraphCapture, capturing
+from .graph_capture import GraphCapture, capturing
 from .hookspecs import hookimpl
 from .memory import Allocator
 from .ops import Provider

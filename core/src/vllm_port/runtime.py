@@ -22,7 +22,7 @@ from .comm import Collectives, Communicator, PointToPoint
 from .discovery import CORE_PLUGIN, Discovery, PluginRecord, discover, first_result
 from .errors import MemoryContractError, PluginError, SelectionError
 from .faults import fall_back
-from .graph import GraphCapture
+from .graph_capture import GraphCapture
 from .guards import GuardedCollectives, GuardedPointToPoint, mem_info_problem
 from .memory import Allocator, BlockPoolFactory, HostMemoryAllocator, KVCache, KVLayout, Migrator, default_allocator
 from .ops import BindContext, BoundOps, OpRegistry

@@ -14,7 +14,7 @@ from vllm_port import SamplingParams
 from vllm_port.engine.runner import flat_step
 from vllm_port.errors import ModelLoadError
 from vllm_port.flat import FlatModel
-from vllm_port.graph import GraphCapture
+from vllm_port.graph_capture import GraphCapture
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import vllm_port
 from vllm_port.engine import SamplingParams
+from vllm_port.engine.request import Request, RequestStatus
 from vllm_port.engine.scheduler import Scheduler, SchedulerConfig
-from vllm_port.engine.sequence import Sequence, SequenceStatus
 from vllm_port.errors import MemoryContractError
 from vllm_port.kv_pool import BlockPool
 from vllm_port.reclaimer import DefaultReclaimer, Preemption, ReclaimPlan
@@ -34,7 +34,7 @@ def make(num_blocks=64, swap_blocks=0, budget=64, max_seqs=8, max_len=None, recl
 
 def request(i, prompt, max_tokens=8, arrival=None):
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    return Sequence(str(i), i if arrival is None else arrival, prompt, params)
+    return Request(str(i), i if arrival is None else arrival, prompt, params)
 
 
 def run(sched, runner, limit=1000):
@@ -164,7 +164,7 @@ def test_no_admission_in_a_step_that_preempted():
     for _ in range(20):
         out = sched.schedule()
         if out.preempted:
-            assert all(s.status is SequenceStatus.RUNNING for s in out.seqs)
+            assert all(s.status is RequestStatus.RUNNING for s in out.seqs)
             assert not set(out.seqs) - set(sched.running)
             break
         sched.update(out, runner.execute(out))
@@ -191,7 +191,7 @@ def test_stop_tokens_and_max_model_len_finish_requests():
     sched, runner = make(max_len=12), FakeRunner(BLOCK)
     prompt = [1, 2, 3]
     stop = expected_output(prompt, 3)[2]
-    a = Sequence("0", 0, prompt, SamplingParams(temperature=0, max_tokens=50), stop_token_ids=[stop])
+    a = Request("0", 0, prompt, SamplingParams(temperature=0, max_tokens=50), stop_token_ids=[stop])
     b = request(1, [7] * 10, max_tokens=50)
     sched.add(a)
     sched.add(b)
@@ -299,12 +299,12 @@ def _imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["engine/scheduler.py", "engine/sequence.py", "engine/sampling_params.py", "reclaimer.py"]
+    "module", ["engine/scheduler.py", "engine/request.py", "engine/sampling_params.py", "reclaimer.py"]
 )
 def test_scheduling_modules_are_device_free(module):
     # the floors of the design: the scheduler and what it reads never import torch, directly or
     # through a module of the package that does
-    device_free = {"..errors", "..reclaimer", ".sequence", ".sampling_params", ".errors", "..kv_pool"}
+    device_free = {"..errors", "..reclaimer", ".request", ".sampling_params", ".errors", "..kv_pool"}
     path = Path(vllm_port.__file__).parent / module
     imports = _imports(path)
     assert not {n for n in imports if n.split(".")[0] == "torch"}, imports

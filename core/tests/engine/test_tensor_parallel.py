@@ -11,7 +11,7 @@ import torch
 from llm_helpers import make_llm, prompts, token_ids
 
 from vllm_port import SamplingParams
-from vllm_port.engine.parallel import shard_config, shard_weights
+from vllm_port.engine.tensor_parallel import shard_config, shard_weights
 from vllm_port.models import load_config, load_weights
 
 
@@ -48,7 +48,7 @@ def test_a_size_that_does_not_split_the_model_is_refused_before_anything_starts(
 
 def test_a_rank_builds_its_rotary_table_for_the_engines_context_not_the_configs(llama_model):
     """A shard's rope table has the rows the engine asks for (its max_model_len), as a one-device model's has."""
-    from vllm_port.engine.parallel import load_shard
+    from vllm_port.engine.tensor_parallel import load_shard
 
     shard = load_shard(llama_model, torch.device("cpu"), torch.float32, 1, 2, max_positions=48)
     assert shard.max_positions == 48

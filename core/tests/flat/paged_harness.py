@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from vllm_port.flat import StepInputs
-from vllm_port.graph import GraphCapture
+from vllm_port.graph_capture import GraphCapture
 
 
 @functools.cache

@@ -80,8 +80,8 @@ def test_the_graphs_keep_their_step_alive():
 
 
 def test_capturing_is_marked_so_value_checks_stand_aside():
-    """No host read may happen while a graph records: checks ask vllm_port.graph, not a device module."""
-    from vllm_port.graph import is_capturing
+    """No host read may happen while a graph records: checks ask vllm_port.graph_capture, not a device module."""
+    from vllm_port.graph_capture import is_capturing
     from vllm_port.ops._checks import reads_values, validation
 
     seen = []

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vllm_port import flat
-from vllm_port.flat.graph import op_targets
+from vllm_port.flat.flat_graph import op_targets
 from vllm_port.flat.passes import PassContext, apply_passes, core_passes, run_passes
 from vllm_port.models import load_model
 

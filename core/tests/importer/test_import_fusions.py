@@ -21,7 +21,7 @@ from tiny_models import build_tiny_model, save_tiny_model
 
 import vllm_port
 from vllm_port import flat
-from vllm_port.flat.graph import op_targets
+from vllm_port.flat.flat_graph import op_targets
 from vllm_port.flat.passes import PassContext, core_passes, run_passes
 from vllm_port.importer import import_model
 from vllm_port.models import load_model

@@ -50,7 +50,7 @@ _UNPICKLERS = {
 } | {"shelve.open", "torch.jit.load", "torch.package.PackageImporter"}
 #: Where unpickling is allowed, and why: nothing here reads a file or another party's bytes.
 _ALLOWED = {
-    ("core/src/vllm_port/engine/parallel.py", "pickle.loads"): "a round trip of an exception this process made",
+    ("core/src/vllm_port/engine/tensor_parallel.py", "pickle.loads"): "a round trip of an exception this process made",
 }
 
 

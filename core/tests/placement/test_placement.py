@@ -8,7 +8,7 @@ from paged_harness import Conversation
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_port.flat import FlatModel
-from vllm_port.flat.graph import op_targets
+from vllm_port.flat.flat_graph import op_targets
 from vllm_port.placement import PlacedModel, load_many, place
 
 MLP_ON_B = [{"platform": "cpu-b", "part": "mlp"}]

@@ -9,7 +9,7 @@ pytest.importorskip("triton")  # runs in Triton's CPU interpreter without a GPU 
 
 import vllm_port
 from vllm_port import flat
-from vllm_port.flat.graph import op_targets
+from vllm_port.flat.flat_graph import op_targets
 from vllm_port.flat.passes import PassContext, core_passes, run_passes
 from vllm_port.ops import BindContext, make_cos_sin_cache, reshape_and_cache, rotary_embedding
 from vllm_port_cuda import fusions

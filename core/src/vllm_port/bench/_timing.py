@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..graph import GraphCapture
+from ..graph_capture import GraphCapture
 
 
 def synchronize(device: torch.device) -> None:

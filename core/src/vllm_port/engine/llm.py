@@ -48,10 +48,10 @@ from ..models.config import model_file
 from ..models.loader import check_fits
 from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
+from .request import Request
 from .runner import ModelRunner, StepFunction
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence as Seq
 from .tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
 __all__ = ["HOST_KV_CACHE_BYTES", "LLM", "CompletionOutput", "EngineError", "RequestOutput", "StreamOutput"]
@@ -120,10 +120,10 @@ class _Call:
 
 
 @dataclass
-class _Request:
+class _Submission:
     index: int
     prompt: str | None
-    seq: Seq  # finish_reason "error": refused before scheduling
+    seq: Request  # finish_reason "error": refused before scheduling
     detokenizer: IncrementalDetokenizer | None
     text: list[str] = field(default_factory=list)
     call: _Call | None = None  # the call that yields this request's deltas, once it runs
@@ -306,7 +306,7 @@ class LLM:
             raise
         self._seeds = random.Random(seed)  # noqa: S311 - sampling seeds, not secrets
         self._ids = itertools.count()
-        self._live: dict[str, _Request] = {}  # requests of open generate/stream calls, by id
+        self._live: dict[str, _Submission] = {}  # requests of open generate/stream calls, by id
 
     # --- facts -------------------------------------------------------------------------------------
 
@@ -356,7 +356,7 @@ class LLM:
 
     def _requests(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[_Request]:
+    ) -> list[_Submission]:
         listed = _as_prompt_list(prompts)
         per_prompt = _as_params_list(params, len(listed))
         for p in per_prompt:
@@ -372,15 +372,15 @@ class LLM:
             text = prompt if isinstance(prompt, str) else None
             ids, problem = self._prompt_ids(prompt)
             if problem is not None:
-                seq = Seq(request_id, -1, ids, p)
+                seq = Request(request_id, -1, ids, p)
                 seq.finish_reason, seq.error = "error", f"request {index}: {problem}"
-                requests.append(_Request(index, text, seq, None))
+                requests.append(_Submission(index, text, seq, None))
                 continue
             stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-            seq = Seq(request_id, int(request_id), ids, p, stop_ids, seed)
+            seq = Request(request_id, int(request_id), ids, p, stop_ids, seed)
             detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings) if self.tokenizer else None
-            requests.append(_Request(index, text, seq, detok))
+            requests.append(_Submission(index, text, seq, detok))
         return requests
 
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
@@ -417,7 +417,7 @@ class LLM:
             )
         return ids, None
 
-    def _run(self, requests: list[_Request]) -> Iterator[StreamOutput]:
+    def _run(self, requests: list[_Submission]) -> Iterator[StreamOutput]:
         """Step the engine until ``requests`` are done, yielding their deltas.
 
         Several calls may be open at once (streams consumed in turns): each step serves every live
@@ -482,7 +482,7 @@ class LLM:
             if seq.is_finished:
                 r.call.unfinished -= 1
 
-    def _advance(self, r: _Request) -> StreamOutput:
+    def _advance(self, r: _Submission) -> StreamOutput:
         seq = r.seq
         if seq.finish_reason == "error":  # the step produced no token for it (TokenError): say why
             text = r.detokenizer.flush() if r.detokenizer is not None else ""
@@ -500,7 +500,7 @@ class LLM:
         r.text.append(text)
         return StreamOutput(r.index, seq.request_id, [token], text, seq.finish_reason, seq.error)
 
-    def _output(self, r: _Request) -> RequestOutput:
+    def _output(self, r: _Submission) -> RequestOutput:
         seq = r.seq
         completion = CompletionOutput(r.index, "".join(r.text), seq.output_token_ids, seq.finish_reason, seq.error)
         return RequestOutput(seq.request_id, r.prompt, seq.prompt_token_ids, [completion], True, seq.num_preemptions)
@@ -683,6 +683,6 @@ def _make_runner(runtime: Runtime, model_dir: Any, dtype: torch.dtype, tensor_pa
         return ModelRunner(runtime, model_dir, dtype, **kwargs)
     if "make_step" in kwargs:
         raise ValueError("make_step runs in this process; with tensor_parallel_size > 1 the ranks run the eager step")
-    from .parallel import TensorParallelRunner
+    from .tensor_parallel import TensorParallelRunner
 
     return TensorParallelRunner(runtime, model_dir, dtype, tensor_parallel_size, **kwargs)

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import MemoryContractError
 from ..reclaimer import MemoryPressure, Reclaimer, RequestFacts, check_plan
-from .sequence import Sequence, SequenceStatus
+from .request import Request, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "StepBatch", "TokenError"]
 
@@ -114,11 +114,11 @@ class StepBatch:
 class SchedulerOutput:
     """What one step runs: the sequences with their new token counts, block copies, and who was preempted."""
 
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -185,8 +185,8 @@ class Scheduler:
         self.reclaimer = reclaimer
         self.reclaimer_name = reclaimer_name
         self.block_size: int = pool.block_size
-        self.waiting: list[Sequence] = []  # in arrival order
-        self.running: list[Sequence] = []  # in arrival order
+        self.waiting: list[Request] = []  # in arrival order
+        self.running: list[Request] = []  # in arrival order
         #: cached-free blocks (block -> prefix hash) in the pool's order, least recently used first
         self._cached: OrderedDict[int, int] = OrderedDict()
         #: preemptions so far, and how many of them swapped (the rest recomputed)
@@ -195,19 +195,19 @@ class Scheduler:
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Queue a new request (its prompt already checked by the engine)."""
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         bisect.insort(self.waiting, seq, key=_arrival)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None, *, keep_prefix: bool = True) -> None:
+    def finish(self, seq: Request, reason: str, error: str | None = None, *, keep_prefix: bool = True) -> None:
         """End ``seq`` (any status): its blocks go back to the pools (prefix blocks stay cached, unless not ``keep_prefix``)."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.status is RequestStatus.RUNNING:
             self.running.remove(seq)
         else:
             self._unqueue(seq)
@@ -217,10 +217,10 @@ class Scheduler:
         if seq.swap_table:
             self.swap_pool.free(seq.swap_table)
             seq.swap_table = []
-        seq.status = SequenceStatus.FINISHED
+        seq.status = RequestStatus.FINISHED
         seq.finish_reason, seq.error = reason, error
 
-    def _unqueue(self, seq: Sequence) -> None:
+    def _unqueue(self, seq: Request) -> None:
         """Take ``seq`` out of the waiting queue if it is there, by a binary search on its arrival.
 
         Closing a stream of thousands of queued requests then costs that many searches, not scans.
@@ -243,7 +243,7 @@ class Scheduler:
         for i, seq in enumerate(running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier request this step
+            if seq.status is not RequestStatus.RUNNING:  # preempted for an earlier request this step
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._grow(seq, seq.num_computed_tokens + n, running[i:], out):
@@ -254,7 +254,7 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int | TokenError]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: list[int | TokenError]) -> list[Request]:
         """Advance the step's sequences, append the sampled tokens (one per sampling sequence, in order).
 
         Finishes sequences on a stop token, ``max_tokens`` or ``max_model_len``, and with
@@ -263,7 +263,7 @@ class Scheduler:
         :return: the sequences that got a token or an error, in step order.
         """
         tokens = iter(sampled)
-        grown: list[Sequence] = []
+        grown: list[Request] = []
         for i, seq in enumerate(out.seqs):
             sampling = out.samples(i)
             seq.num_computed_tokens += out.num_new_tokens[i]
@@ -288,7 +288,7 @@ class Scheduler:
 
     # --- blocks ------------------------------------------------------------------------------------
 
-    def _grow(self, seq: Sequence, num_tokens: int, unserved: list[Sequence], out: SchedulerOutput) -> bool:
+    def _grow(self, seq: Request, num_tokens: int, unserved: list[Request], out: SchedulerOutput) -> bool:
         """Give running ``seq`` blocks for ``num_tokens``; ``False`` when it was preempted or must wait.
 
         :param unserved: ``seq`` and the running requests after it, whom it may push out.
@@ -302,14 +302,14 @@ class Scheduler:
         seq.block_table += blocks
         return True
 
-    def _allocate(self, seq: Sequence, need: int, candidates: list[Sequence], out: SchedulerOutput) -> list[int] | None:
+    def _allocate(self, seq: Request, need: int, candidates: list[Request], out: SchedulerOutput) -> list[int] | None:
         """``need`` blocks for ``seq``, asking the reclaimer when fewer are plainly free; ``None`` if none now.
 
         ``candidates`` (running requests) are offered only when cached blocks cannot cover the need.
         """
         pool = self.pool
         if need > pool.num_free - pool.num_cached:
-            offered = [s for s in candidates if s.status is SequenceStatus.RUNNING] if need > pool.num_free else []
+            offered = [s for s in candidates if s.status is RequestStatus.RUNNING] if need > pool.num_free else []
             pressure = MemoryPressure(
                 need=need,
                 free=pool.num_free - pool.num_cached,
@@ -336,7 +336,7 @@ class Scheduler:
             self._cached.pop(b, None)  # the pool evicted it for us
         return blocks
 
-    def _facts(self, seq: Sequence) -> RequestFacts:
+    def _facts(self, seq: Request) -> RequestFacts:
         ref = self.pool.ref_count
         return RequestFacts(
             request_id=seq.request_id,
@@ -355,7 +355,7 @@ class Scheduler:
         pool.copy_on_write(block)  # the only holder: forgets the hash
         pool.free([block])
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Request) -> None:
         """Free ``seq``'s device blocks, tail first (so its prefix outlives its tail in the cache)."""
         table, hashes = seq.block_table, seq.block_hashes
         if not table:
@@ -368,14 +368,14 @@ class Scheduler:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
-    def _forget_prefix(self, seq: Sequence) -> None:
+    def _forget_prefix(self, seq: Request) -> None:
         """Drop the prefix hashes of the blocks only ``seq`` holds, so no later request hits them."""
         for block in seq.block_table:
             if self.pool.ref_count(block) == 1:
                 self.pool.copy_on_write(block)  # the only holder: the pool forgets the block's hash
         seq.num_registered_blocks = 0
 
-    def _preempt(self, seq: Sequence, mode: str, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Request, mode: str, out: SchedulerOutput) -> None:
         if mode == "swap":
             swap_blocks = self.swap_pool.allocate(len(seq.block_table))
             if swap_blocks is None:
@@ -385,11 +385,11 @@ class Scheduler:
                 )
             out.swap_out += zip(seq.block_table, swap_blocks, strict=True)
             seq.swap_table = swap_blocks
-            seq.status = SequenceStatus.SWAPPED
+            seq.status = RequestStatus.SWAPPED
             self.num_swapped += 1
         else:
             seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
+            seq.status = RequestStatus.WAITING
         self._release(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -402,20 +402,20 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.status is SequenceStatus.SWAPPED:
+            if seq.status is RequestStatus.SWAPPED:
                 n = self._swap_in(seq, budget, out)
             else:
                 n = self._start(seq, budget, out)
             if n is None:
                 return
             self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
 
-    def _start(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+    def _start(self, seq: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Prefix lookups and blocks for the first chunk of a waiting request; its token count, or ``None``."""
         hits = self._lookup(seq) if self.config.enable_prefix_caching else []
         seq.block_table = hits
@@ -431,7 +431,7 @@ class Scheduler:
         seq.block_table = hits + blocks
         return n
 
-    def _lookup(self, seq: Sequence) -> list[int]:
+    def _lookup(self, seq: Request) -> list[int]:
         """Cached blocks holding ``seq``'s leading full blocks (one new reference each); stops at the first miss.
 
         The last token is never taken from the cache: its logits are needed to sample.
@@ -445,7 +445,7 @@ class Scheduler:
             hits.append(block)
         return hits
 
-    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+    def _swap_in(self, seq: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Device blocks for a swapped request, with the copies back; its token count, or ``None``."""
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         count = len(seq.swap_table)
@@ -461,7 +461,7 @@ class Scheduler:
 
     # --- prefix caching ----------------------------------------------------------------------------
 
-    def _hash(self, seq: Sequence, index: int) -> int:
+    def _hash(self, seq: Request, index: int) -> int:
         """The chained content hash of ``seq``'s full block ``index`` (computed once, kept on the sequence)."""
         hashes, size = seq.block_hashes, self.block_size
         while len(hashes) <= index:
@@ -471,7 +471,7 @@ class Scheduler:
             )
         return hashes[index]
 
-    def _register(self, seq: Sequence) -> None:
+    def _register(self, seq: Request) -> None:
         """Register ``seq``'s newly computed full blocks, so later requests can hit them."""
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(seq.num_registered_blocks, full):
@@ -479,5 +479,5 @@ class Scheduler:
         seq.num_registered_blocks = max(full, seq.num_registered_blocks)
 
 
-def _arrival(seq: Sequence) -> int:
+def _arrival(seq: Request) -> int:
     return seq.arrival

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from .backend import CompileReport, VllmPortBackend, make_backend
 from .capture import DecodeGraphs
+from .flat_graph import FlatGraph, FlatNode, contract_op, contract_provider, node_kind, traceable_ops
 from .flat_model import FlatModel
-from .graph import FlatGraph, FlatNode, contract_op, contract_provider, node_kind, traceable_ops
 from .passes import GraphPass, PassContext, apply_passes, core_passes
 from .trace import PHASES, StepInputs, TraceError, graph_inputs, trace
 

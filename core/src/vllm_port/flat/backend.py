@@ -4,7 +4,7 @@
 entry point of core) receives the step dynamo captured and:
 
 1. lowers it to the aten level with ``make_fx`` under dynamo's fake mode, so it reads exactly like
-   a :class:`~vllm_port.flat.graph.FlatGraph` (contract ops as custom ops, torch ops as aten ops);
+   a :class:`~vllm_port.flat.flat_graph.FlatGraph` (contract ops as custom ops, torch ops as aten ops);
 2. runs core's fusion passes, then the passes plugins contribute (``vllm_port_graph_passes``);
 3. splits the graph at the ops that read the attention metadata (``reshape_and_cache``,
    ``paged_attention``, ``prefill_attention``), as vLLM does: those run eagerly, calling their
@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
 from ..errors import PluginError
-from .graph import _named, contract_op, contract_provider, node_kind, op_targets
+from .flat_graph import _named, contract_op, contract_provider, node_kind, op_targets
 from .passes import PassContext, core_passes, plugin_passes, run_passes
 
 __all__ = ["SPLIT_OPS", "CompileReport", "VllmPortBackend", "make_backend", "resolve_compiler", "vllm_port_backend"]

@@ -3,7 +3,7 @@
 :class:`DecodeGraphs` owns static input buffers for the largest batch size, captures the step
 (eager bound kernels or a compiled step, anything that does not synchronise with the host) on
 views of them for each size in ``batch_sizes`` through the platform's
-:class:`~vllm_port.graph.GraphCapture`, and at run time copies a batch of ``n`` sequences into
+:class:`~vllm_port.graph_capture.GraphCapture`, and at run time copies a batch of ``n`` sequences into
 the buffers, pads rows ``n..b`` of the smallest captured size ``b >= n`` as padding sequences
 (``slot_mapping`` -1: nothing is written to the cache; ``seq_lens`` 0: attention reads nothing and
 gives a zero row; token 0 at position 0), replays, and returns the first ``n`` rows.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..graph import GraphCapture, capturing
+from ..graph_capture import GraphCapture, capturing
 
 __all__ = ["DEFAULT_BATCH_SIZES", "DecodeGraphs", "DecodeStep", "padded_batch_sizes"]
 

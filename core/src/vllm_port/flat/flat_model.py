@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ..graph import GraphCapture
+from ..graph_capture import GraphCapture
 from .backend import NO_COMPILER, VllmPortBackend, resolve_compiler
 from .capture import DecodeGraphs
-from .graph import FlatGraph, traceable_ops
+from .flat_graph import FlatGraph, traceable_ops
 from .passes import apply_passes
 from .trace import PHASES, StepInputs, graph_inputs, step_function, trace
 

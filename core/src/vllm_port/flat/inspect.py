@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .graph import FlatGraph
+from .flat_graph import FlatGraph
 from .passes import apply_passes
 from .trace import PHASES, trace
 

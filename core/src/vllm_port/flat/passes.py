@@ -1,6 +1,6 @@
 """Fusion passes over flat graphs: substitutions of contract ops that hold on every platform.
 
-A pass rewrites the aten-level ``torch.fx`` graph of a :class:`~vllm_port.flat.graph.FlatGraph`
+A pass rewrites the aten-level ``torch.fx`` graph of a :class:`~vllm_port.flat.flat_graph.FlatGraph`
 (or the graph the ``vllm_port`` torch.compile backend lowers) in place and returns how many times
 it fired. Core's passes:
 
@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PluginError
-from .graph import FlatGraph, contract_op, copy_module, op_targets
+from .flat_graph import FlatGraph, contract_op, copy_module, op_targets
 
 __all__ = ["GraphPass", "PassContext", "apply_passes", "core_passes", "plugin_passes", "run_passes"]
 
@@ -39,7 +39,7 @@ class PassContext:
 
     Attributes:
         ops: contract op name -> the custom op a new node calls (the providers bound for this
-            platform and dtype; see :func:`vllm_port.flat.graph.op_targets`).
+            platform and dtype; see :func:`vllm_port.flat.flat_graph.op_targets`).
         platform: the platform's name.
         dtype: the dtype the ops were bound for.
     """

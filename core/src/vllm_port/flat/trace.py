@@ -1,4 +1,4 @@
-"""Trace a model step into a :class:`~vllm_port.flat.graph.FlatGraph`.
+"""Trace a model step into a :class:`~vllm_port.flat.flat_graph.FlatGraph`.
 
 The tracer is ``make_fx`` with symbolic shapes: it runs the model's flat ``forward`` once on fake
 tensors (no kernel runs, no memory is touched) with bound ops wrapped as custom ops, so each
@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from ..errors import VllmPortError
 from ..ops import BoundOps
-from .graph import FlatGraph, traceable_ops
+from .flat_graph import FlatGraph, traceable_ops
 
 __all__ = ["PHASES", "StepInputs", "TraceError", "graph_inputs", "trace", "weight_paths"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ._rewrite import Mapped, PieceReport
 from ._trace import ATTENTION_IMPLEMENTATION, ImporterError
-from .model import ImportedConfig, ImportedModel, ImportReport, import_model
+from .imported_model import ImportedConfig, ImportedModel, ImportReport, import_model
 
 __all__ = [
     "ATTENTION_IMPLEMENTATION",

@@ -20,7 +20,7 @@ from ..models import AttentionMetadata
 from ._trace import ImporterError
 
 if TYPE_CHECKING:
-    from .model import ImportedModel
+    from .imported_model import ImportedModel
 
 __all__ = ["TIE_MARGIN", "VERIFY_TOKENS", "VERIFY_TOLERANCE", "check_windows", "verify_import"]
 

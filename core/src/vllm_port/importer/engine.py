@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._trace import ImporterError
-from .model import ImportedModel, import_model
+from .imported_model import ImportedModel, import_model
 
 __all__ = ["IMPORTERS", "import_for_engine", "load_hf_model"]
 

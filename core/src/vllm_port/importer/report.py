@@ -46,7 +46,7 @@ def inspect_import(args: Any) -> int:
     from ..flat.inspect import dumps, inspect_graphs, render
     from ..runtime import load
     from .engine import load_hf_model
-    from .model import import_model
+    from .imported_model import import_model
 
     try:
         runtime = load(device=args.device)

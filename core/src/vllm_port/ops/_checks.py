@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import OpInputError
 from ..faults import read_switch
-from ..graph import is_capturing
+from ..graph_capture import is_capturing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -52,7 +52,7 @@ import torch
 
 from ..errors import OpInputError, ProviderError, SelectionError
 from ..faults import STRICT_ENV, strict_mode
-from ..graph import is_capturing
+from ..graph_capture import is_capturing
 from ._checks import validation
 from ._op import Op, SampleInput
 

@@ -13,8 +13,8 @@ See docs/placement.md.
 
 from __future__ import annotations
 
-from .model import EnginePlacement, PlacedKVCache, PlacedModel
 from .parts import node_parts
+from .placed_model import EnginePlacement, PlacedKVCache, PlacedModel
 from .plan import PlacedGraph, place
 from .platforms import Platforms, load_many
 from .policy import PARTS, PlacementError, PlacementPolicy, PlacementRule, load_policy

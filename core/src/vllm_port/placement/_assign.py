@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..flat.graph import FlatGraph, FlatNode
+from ..flat.flat_graph import FlatGraph, FlatNode
 from ._aliases import aliased_input
 from .parts import ATTENTION_CACHE_OPS, CACHE_INPUT
 from .platforms import Platforms, split_target

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..flat.graph import FlatGraph, contract_op, node_kind, op_targets
+from ..flat.flat_graph import FlatGraph, contract_op, node_kind, op_targets
 from ._aliases import aliased_input, is_tensor, is_tensor_list, written_args
 from .platforms import Platforms, split_target
 from .transfers import Transfer, TransferStats, bytes_formula, transfer_function, write_back_function

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ..flat.graph import FlatGraph, FlatNode
+from ..flat.flat_graph import FlatGraph, FlatNode
 
 __all__ = ["ATTENTION_CACHE_OPS", "node_parts"]
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..flat.graph import FlatGraph, copy_module
+from ..flat.flat_graph import FlatGraph, copy_module
 from ..runtime import Runtime
 from ._assign import FOLLOWS, assign_nodes, cache_homes, check_policy
 from ._rewrite import GraphRewriter

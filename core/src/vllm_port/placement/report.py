@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .model import LM_HEAD, PlacedModel
+from .placed_model import LM_HEAD, PlacedModel
 
 __all__ = ["dumps", "placement_report", "render"]
 

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from ..flat import FlatModel
-from ..graph import GraphCapture
+from ..graph_capture import GraphCapture
 from ..memory import KVCache
 from .schema import STACK_LAYERS
 from .steps import _Step, _synchronize, collective_name

@@ -13,7 +13,7 @@ over it is how much of the step the profile explains.
 Run node by node, a step on a GPU waits mostly on the host's dispatch between nodes, which the
 engine does not pay: it replays decode steps captured as device graphs. Where the platform
 captures graphs, the plain decode step is also captured the engine's way (the platform's
-:class:`~vllm_port.graph.GraphCapture`, inside :func:`~vllm_port.graph.capturing`) and its replay
+:class:`~vllm_port.graph_capture.GraphCapture`, inside :func:`~vllm_port.graph_capture.capturing`) and its replay
 timed by the same clock, so the node times are held against the step the engine runs as well.
 """
 
@@ -27,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 
 from ..errors import VllmPortError
-from ..graph import GraphCapture, capturing
+from ..graph_capture import GraphCapture, capturing
 from .steps import LABEL, _Step, _synchronize, collective_name
 from .timeline import Attribution, attribute_device_work
 

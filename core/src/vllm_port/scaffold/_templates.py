@@ -418,7 +418,7 @@ GRAPH = '''\
 
 Off until ``GRAPH_CAPTURE`` in platform.py turns it on. Through the graph API of
 ``torch.${device_type}``, by ``vllm_port.plugin_kit.StreamGraphCapture``: warm-up runs on a side
-stream, then one captured run. For your driver's graphs, subclass ``vllm_port.graph.GraphCapture``.
+stream, then one captured run. For your driver's graphs, subclass ``vllm_port.graph_capture.GraphCapture``.
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ from collections.abc import Iterable
 
 from .sampling_params import SamplingParams
 
-__all__ = ["FINISH_REASONS", "Sequence", "SequenceStatus"]
+__all__ = ["FINISH_REASONS", "Request", "RequestStatus"]
 
 #: Why a request ended: a stop token or string (``"stop"``), ``max_tokens`` or the model's
 #: length (``"length"``), a bad request (``"error"``, with a message), or the caller gave up (``"abort"``).
 FINISH_REASONS = ("stop", "length", "error", "abort")
 
 
-class SequenceStatus(enum.Enum):
+class RequestStatus(enum.Enum):
     """Where a request is: queued (new or preempted by recompute), running, swapped out, or finished."""
 
     WAITING = "waiting"
@@ -29,7 +29,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
+class Request:
     """One request's tokens, status and cache blocks.
 
     :param request_id: unique among the engine's requests.
@@ -56,7 +56,7 @@ class Sequence:
         self.params = params
         self.stop_token_ids = frozenset(stop_token_ids)
         self.seed = seed
-        self.status = SequenceStatus.WAITING
+        self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         #: blocks in swap space holding this request's cache while it is SWAPPED
@@ -71,7 +71,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
 
@@ -95,7 +95,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is RequestStatus.FINISHED
 
     @property
     def step_seed(self) -> int:

@@ -3,7 +3,7 @@
 The model stays one definition. Each rank builds a :class:`~vllm_port.models.LlamaModel` from its
 shard of the weights and a config with its share of the heads and of the MLP's width (column
 parallel: q/k/v and gate/up split by output rows; row parallel: o_proj and down_proj split by input
-columns), with :func:`~vllm_port.parallel.split_range`'s rule. The only other difference is in the
+columns), with :func:`~vllm_port.sharded_layers.split_range`'s rule. The only other difference is in the
 ops it is given: :class:`TensorParallelOps` is the bound kernels with a ``linear`` that sums the
 partial products of the row-parallel weights over the ranks (``all_reduce`` of the communicator)
 before adding their bias. Embedding, norms and LM head are replicated, so every rank computes the
@@ -35,7 +35,7 @@ import torch
 from ..errors import VllmPortError
 from ..models import LlamaModel, ModelConfig, load_config, load_weights
 from ..ops import BoundOps
-from ..parallel import split_range
+from ..sharded_layers import split_range
 from .scheduler import StepBatch
 
 __all__ = ["TensorParallelOps", "TensorParallelRunner", "check_shardable", "shard_config", "shard_weights"]

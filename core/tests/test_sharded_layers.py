@@ -9,7 +9,8 @@ import torch
 
 import vllm_port
 from vllm_port.comm import Communicator, DistContext, TorchCollectives, TorchPointToPoint
-from vllm_port.parallel import (
+from vllm_port.platform import PlatformDescription
+from vllm_port.sharded_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
@@ -17,7 +18,6 @@ from vllm_port.parallel import (
     shard_dim,
     split_range,
 )
-from vllm_port.platform import PlatformDescription
 from vllm_port.spawn import run_ranks
 
 CPU = PlatformDescription(name="cpu", device_type="cpu", priority=0, dist_backend="gloo")

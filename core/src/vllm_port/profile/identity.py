@@ -29,7 +29,7 @@ def _device_name(runtime: Any) -> str:
 def importer_of(model: Any) -> str | None:
     """The importer that made ``model``: ``"hf"`` for a ``transformers`` model imported by
     :func:`vllm_port.importer.import_model`, ``None`` for a core model definition."""
-    from ..importer.model import ImportedModel  # no transformers import: the importer loads it only to import
+    from ..importer.imported_model import ImportedModel  # no transformers import: the importer loads it only to import
 
     return "hf" if isinstance(model, ImportedModel) else None
 
@@ -55,7 +55,7 @@ def load_profile_model(
             f"profile: importer {importer!r} is unknown; use one of {', '.join(IMPORTERS)}, or none for the core model"
         )
     from ..importer.engine import load_hf_model
-    from ..importer.model import import_model
+    from ..importer.imported_model import import_model
 
     hf_model = load_hf_model(model_dir, dtype)
     # the imported model shares the module's weights; dropping the module frees those it fused (q/k/v, gate/up)
