@@ -18,7 +18,7 @@ memory and the order of the tensor-core instructions can be read before a GPU is
 
 The Gluon kernels are listed too: the CUDA plugin's Hopper prefill (``vllm_port_cuda.hopper_prefill``,
 warp-specialised: ``setmaxnreg`` hands registers from the producer warp to the consumers, and no CTA-wide
-``bar.sync`` remains) and the first experiment (``dev/gluon_prefill.py``); in both the waits read ``1`` where
+``bar.sync`` remains) and the first experiment (``dev/experiments/gluon_prefill.py``); in both the waits read ``1`` where
 the softmax runs under the ``P V`` product.
 
 What it showed (docs/results/attention-h200.md): the shipped 128 x 64 x 4-warp tiles spill (255 registers
@@ -50,7 +50,7 @@ from vllm_port.kernels.triton.target import PREFILL_ORDERS, TritonTarget
 SM_SHARED_BYTES = 228 * 1024  # an H100/H200 multiprocessor's shared memory (227 KiB a block, 1 KiB reserved a block)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
-#: The tiles the H200 runs measured (dev/probe_hopper.py), beside the target's own.
+#: The tiles the H200 runs measured (dev/experiments/probe_hopper.py), beside the target's own.
 COMPARED = ((128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2))
 
 
@@ -110,9 +110,10 @@ def compile_prefill(target: TritonTarget = CUDA, head: int = 128, group: int = 4
 
 
 def compile_gluon_prefill(group: int = 4, block_size: int = 128) -> KernelStats:
-    """Compile ``dev/gluon_prefill.py``'s experimental kernel (FlashAttention-3's intra-warpgroup overlap) for sm_90."""
-    if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # dev/gluon_prefill.py sits beside this script
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    """Compile ``dev/experiments/gluon_prefill.py``'s experimental kernel (FlashAttention-3's intra-warpgroup overlap) for sm_90."""
+    experiments = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments")
+    if experiments not in sys.path:  # dev/experiments/gluon_prefill.py
+        sys.path.insert(0, experiments)
     import gluon_prefill as g
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -239,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(compile_prefill(target)) + label, flush=True)
     if not opts.tiles:
         print(describe(compile_hopper_prefill()) + " (vllm_port_cuda.hopper_prefill, shipped on sm_90)", flush=True)
-        print(describe(compile_gluon_prefill()) + " (dev/gluon_prefill.py, the first Gluon experiment)", flush=True)
+        print(
+            describe(compile_gluon_prefill()) + " (dev/experiments/gluon_prefill.py, the first Gluon experiment)",
+            flush=True,
+        )
     return 0
 
 

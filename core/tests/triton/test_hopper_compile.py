@@ -6,7 +6,7 @@ CUDA target's tiles were chosen for that: docs/results/attention-h200.md). The C
 (``vllm_port_cuda.hopper_prefill``, Gluon, what sm_90 runs) must keep its FlashAttention-3 schedule: a product
 left in flight under the softmax (``wgmma.wait_group 1``), registers handed from the producer warp to the
 consumers (``setmaxnreg``), no CTA-wide barrier, no spills. So must the first Gluon experiment
-(``dev/gluon_prefill.py``, not shipped). The compile runs in a child
+(``dev/experiments/gluon_prefill.py``, not shipped). The compile runs in a child
 process without ``TRITON_INTERPRET`` (the interpreter's kernels are Python, which the compiler cannot take).
 """
 
@@ -44,6 +44,6 @@ def test_the_hopper_kernels_use_tma_and_wgmma_as_designed():
     block16 = report["hopper_block16"]
     assert block16["tma_loads"] > hopper["tma_loads"] and block16["spill_stores"] == 0, block16
     assert 1 in block16["waits"] and block16["register_handoffs"] > 0 and block16["cta_barriers"] == 0, block16
-    # the Gluon experiment (dev/gluon_prefill.py) keeps one product in flight under the softmax, without spilling
+    # the Gluon experiment (dev/experiments/gluon_prefill.py) keeps one product in flight under the softmax, without spilling
     gluon = report["gluon"]
     assert 1 in gluon["waits"] and gluon["spill_stores"] == 0 and gluon["tma_loads"] > 0, gluon

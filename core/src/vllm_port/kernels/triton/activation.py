@@ -30,7 +30,7 @@ def _gelu_erf(g):
     7.1.26 gives ``erfc(z) = t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) exp(-z^2)``, ``t = 1 / (1 + p z)`` for
     ``z >= 0``, within 1.5e-7 absolute: one reciprocal, one exp2 and five multiply-adds, no branch, where libdevice's erf
     costs enough instructions to hold the kernel at 87% of the copy bandwidth on an H200 (this one: 103%,
-    dev/probe_rowwise.py). With ``h = erfc(|g| / sqrt 2) / 2``, ``gelu(g) = g (1 - h)`` for ``g >= 0`` and ``g h``
+    dev/experiments/probe_rowwise.py). With ``h = erfc(|g| / sqrt 2) / 2``, ``gelu(g) = g (1 - h)`` for ``g >= 0`` and ``g h``
     below (no cancellation for negative gates); ``p / sqrt 2``, the halved ``a_i`` and ``log2(e) / 2`` are folded in.
     """
     t = 1.0 / (1.0 + 0.2316418882663604 * tl.abs(g))

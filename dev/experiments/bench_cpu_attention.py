@@ -1,6 +1,6 @@
 """Time the CPU plugin's attention providers: the native kernel against the torch one, at the engine's shapes.
 
-    .venv/bin/python dev/bench_cpu_attention.py [--threads 2] [--repeat 5] [--cpu-time]
+    .venv/bin/python dev/experiments/bench_cpu_attention.py [--threads 2] [--repeat 5] [--cpu-time]
 
 Decode: ``bench engine``'s model and workload (64 sequences, 8 heads over 4 KV heads, head 64,
 block 16, contexts drawn from 128..256, as the decode steps of 128 prompt + 128 output tokens see

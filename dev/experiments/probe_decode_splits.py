@@ -1,13 +1,14 @@
 """Decode attention at small batch and long context on the GPU: split counts, the merge kernel's cost, 16- vs 128-token
-blocks, TMA (graph replays, L2 flushed by zeroing). Run from the repository root: python3 dev/probe_decode_splits.py
+blocks, TMA (graph replays, L2 flushed by zeroing). Run from the repository root: python3 dev/experiments/probe_decode_splits.py
 """
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "dev")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dev/: tune_attention
 import tune_attention as ta
 
 from vllm_port.bench._timing import copy_bandwidth_gbs

@@ -3,7 +3,7 @@
 intra-warpgroup overlap. It ran correct on the H200 but 4-6% slower than the Triton kernel at 4k-16k tokens
 (``docs/results/h200/probe-gluon-tma-h200-run1.txt``): every warp issues its own loads, so the compiler guards each
 buffer's reuse with a CTA-wide ``bar.sync`` and the two warpgroups run in lockstep. Its warp-specialised successor,
-``vllm_port_cuda.hopper_prefill``, is what the CUDA plugin binds on sm_90. ``dev/probe_hopper.py --sections gluon
+``vllm_port_cuda.hopper_prefill``, is what the CUDA plugin binds on sm_90. ``dev/experiments/probe_hopper.py --sections gluon
 --gluon tma`` checks this one against the op's reference, then times it.
 
 Why Gluon: Triton 3.6 waits for every ``wgmma`` before the softmax touches its scores (``dev/sm90_stats.py``),

@@ -1,6 +1,6 @@
 """Probe the remaining attention misses of issue 17 on one H200, in one run of about 3 minutes.
 
-    python3 dev/probe_hopper.py [--json FILE] [--sections launch,prefill,decode]
+    python3 dev/experiments/probe_hopper.py [--json FILE] [--sections launch,prefill,decode]
 
 - ``launch``: where the host's time goes when prefill and decode are launched eagerly (the engine launches
   prefill so): microseconds per call with the device never waited for, split into the op's input checks,
@@ -11,7 +11,7 @@
   64 x 64 x 4-warp tiles (two programs an SM without register spills, ``dev/sm90_stats.py``), each by
   ``do_bench`` (L2 flushed, host launch included) and by graph replay (L2 flushed by reading, the flush
   subtracted), beside cuDNN and flash through torch's SDPA timed the same ways.
-- ``gluon`` (not in the default sections): a Gluon kernel (``--gluon``): ``tma`` (``dev/gluon_prefill.py``,
+- ``gluon`` (not in the default sections): a Gluon kernel (``--gluon``): ``tma`` (``dev/experiments/gluon_prefill.py``,
   FlashAttention-3's intra-warpgroup overlap), ``ws_pp`` (the CUDA plugin's Hopper prefill: the same
   warp-specialised, a TMA producer warp and two consumer warpgroups taking turns) and ``ws`` (without the turns),
   checked by the op's contract on NaN-poisoned caches (ragged ends, prefixes), then timed beside the Triton kernel
@@ -42,7 +42,7 @@ import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dev/: tune_attention
 from tune_attention import HEAD, HEADS, KV_HEADS, decode, graph_cold_us, prefill
 
 from vllm_port.bench._timing import copy_bandwidth_gbs
@@ -251,7 +251,7 @@ def probe_decode(copy_gbs: float) -> None:
 
 
 def _gluon_kernel(name: str) -> Callable[..., torch.Tensor]:
-    """A Gluon kernel by name: ``tma`` (``dev/gluon_prefill.py``, the first experiment), ``ws_pp`` (the CUDA plugin's
+    """A Gluon kernel by name: ``tma`` (``dev/experiments/gluon_prefill.py``, the first experiment), ``ws_pp`` (the CUDA plugin's
     Hopper prefill, ``vllm_port_cuda.hopper_prefill``, as shipped) and ``ws`` (the same without the warpgroups'
     ping-pong)."""
     if name == "tma":

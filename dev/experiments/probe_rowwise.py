@@ -1,8 +1,8 @@
 # ruff: noqa: N803  (Triton's constexpr parameters are upper case)
 """Probe the element-wise and row-wise misses of issue 17 on one GPU, in one run of about 3 minutes on an H200.
 
-    python3 dev/probe_rowwise.py [--out DIR] [--json FILE] [--sections erf,gelu,norm,small] [--budget-s 150]
-    TRITON_INTERPRET=1 python3 dev/probe_rowwise.py --tiny      # CPU: every variant against float64, no timing
+    python3 dev/experiments/probe_rowwise.py [--out DIR] [--json FILE] [--sections erf,gelu,norm,small] [--budget-s 150]
+    TRITON_INTERPRET=1 python3 dev/experiments/probe_rowwise.py --tiny      # CPU: every variant against float64, no timing
 
 The misses (docs/results/ops-h200.md, "Against the goals"): ``gelu_and_mul`` at 16k/32k tokens x 14336
 below 90% of the copy bandwidth, Inductor plateauing at the same place (the exact erf's float32 cost
@@ -1052,7 +1052,7 @@ def _round_like_gpus() -> None:
     Triton tests use (core/tests/triton/conftest.py): the precision statistics would otherwise judge the interpreter."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "core" / "tests" / "triton" / "conftest.py"
+    path = Path(__file__).resolve().parents[2] / "core" / "tests" / "triton" / "conftest.py"
     spec = importlib.util.spec_from_file_location("_triton_tests_conftest", path)
     if spec is None or spec.loader is None or not path.exists():
         raise SystemExit(f"error: {path} is missing; --tiny needs its bfloat16 rounding patch for the interpreter")
@@ -1077,12 +1077,12 @@ def main(argv: list[str] | None = None) -> int:
     tiny = args.tiny
     if tiny and not INTERPRET:
         print(
-            "error: --tiny runs in Triton's interpreter; run it as TRITON_INTERPRET=1 python3 dev/probe_rowwise.py --tiny"
+            "error: --tiny runs in Triton's interpreter; run it as TRITON_INTERPRET=1 python3 dev/experiments/probe_rowwise.py --tiny"
         )
         return 2
     if not tiny and not torch.cuda.is_available():
         print(
-            "error: no CUDA device; on a CPU run the correctness pass: TRITON_INTERPRET=1 python3 dev/probe_rowwise.py --tiny"
+            "error: no CUDA device; on a CPU run the correctness pass: TRITON_INTERPRET=1 python3 dev/experiments/probe_rowwise.py --tiny"
         )
         return 2
     if tiny:
