@@ -52,12 +52,12 @@ __all__ = [
 ]
 
 #: Names served by the modules that load torch, the flat tracer and the profiler (name: module): imported
-#: on first use, so ``vllm-port``'s argument parsing (which reads ``profile.command``) stays fast.
+#: on first use, so ``vllm-port``'s argument parsing (which reads ``profile.profile_command``) stays fast.
 _LAZY = {
     "collective_name": ".steps",
-    "identity": ".model",
-    "importer_of": ".model",
-    "load_profile_model": ".model",
+    "identity": ".subject",
+    "importer_of": ".subject",
+    "load_profile_model": ".subject",
     "profile_model": ".collect",
 }
 

@@ -17,7 +17,7 @@ import torch
 from ..bench._timing import load_average
 from ..flat import FlatModel
 from ..memory import KVLayout
-from .identity import _versions, identity
+from .subject import _versions, identity
 from .report import _compile, _graph_group, _memory, _phase_report
 from .schema import FORMAT, PHASES, SCHEMA_VERSION, ProfileError
 from .steps import _batch, _make_step

@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..runtime import load
     from .collect import profile_model  # the tracer and the profiler: only to profile
     from .compare import check_comparable, compare, load_baseline
-    from .identity import identity, load_profile_model
+    from .subject import identity, load_profile_model
     from .render import render, render_comparison
 
     baseline = load_baseline(args.baseline) if args.baseline else None  # refuse a bad file before any work

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from ..flat import FlatGraph, FlatModel, graph_inputs
 from ..flat.trace import StepInputs
-from .identity import importer_of
+from .subject import importer_of
 from .schema import ProfileError
 
 __all__ = ["LABEL", "collective_name"]
