@@ -200,6 +200,36 @@ def test_stop_tokens_and_max_model_len_finish_requests():
     assert b.finish_reason == "length" and b.num_tokens == 12
 
 
+class _StopAt:
+    """A stop matcher that finds a "stop string" once it has seen ``token``, and records what it was fed."""
+
+    def __init__(self, token):
+        self.token, self.fed = token, []
+
+    def feed(self, token_id):
+        self.fed.append(token_id)
+        return self.token in self.fed
+
+
+def test_update_decides_every_stop_in_one_place_and_feeds_the_matcher_each_token():
+    sched, runner = make(max_len=16), FakeRunner(BLOCK)
+    prompt = [1, 2, 3]
+    out = expected_output(prompt, 6)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    by_text = Request("0", 0, prompt, params, stop_matcher=_StopAt(out[2]))
+    token_first = Request("1", 1, prompt, params, stop_token_ids=[out[3]], stop_matcher=_StopAt(out[3]))
+    length_first = Request("2", 2, prompt, params, stop_matcher=_StopAt(out[5]))  # max_tokens and the text agree
+    for seq in (by_text, token_first, length_first):
+        sched.add(seq)
+    run(sched, runner)
+    assert by_text.finish_reason == "stop" and by_text.output_token_ids == out[:3]
+    assert token_first.finish_reason == "stop" and token_first.output_token_ids == out[:4]
+    assert length_first.finish_reason == "length" and length_first.output_token_ids == out
+    for seq in (by_text, token_first, length_first):  # every output token, the one that ended it included
+        assert seq.stop_matcher.fed == seq.output_token_ids
+    assert_pool_empty(sched)
+
+
 class _Recording(DefaultReclaimer):
     def __init__(self):
         super().__init__(swap_min_tokens=0)

@@ -378,8 +378,9 @@ class LLM:
                 continue
             stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-            seq = Request(request_id, int(request_id), ids, p, stop_ids, seed)
+            # the scheduler feeds the detokenizer each token, and stops the request on a stop string it finds
             detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings) if self.tokenizer else None
+            seq = Request(request_id, int(request_id), ids, p, stop_ids, seed, stop_matcher=detok)
             requests.append(_Submission(index, text, seq, detok))
         return requests
 
@@ -491,10 +492,8 @@ class LLM:
             return StreamOutput(r.index, seq.request_id, [], text, "error", seq.error)
         token = seq.token_ids[-1]
         text = ""
-        if r.detokenizer is not None:
-            text = r.detokenizer.add(token)
-            if r.detokenizer.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
+        if r.detokenizer is not None:  # fed the token by the scheduler, which also decided on the stop strings
+            text = r.detokenizer.take()
             if seq.is_finished:
                 text += r.detokenizer.flush()
         r.text.append(text)

@@ -25,6 +25,11 @@ they are evicted. The pool owns which blocks are cached-free and in which order 
 scheduler asks it (``cached_blocks``) and evicts through it (``evict``), keeping no books of its own.
 While cached blocks can cover a need, only cached blocks are offered to the reclaimer (running work
 is never lost to keep a cache).
+
+Stopping is decided in one place, :meth:`Scheduler.update`, as each sampled token is appended: a
+stop token, then the request's length (``max_tokens``, ``max_model_len``), then a stop string in its
+text. The text is not the scheduler's to read: the request carries a :class:`~.request.StopMatcher`
+(the engine's detokenizer), fed every output token, that answers whether a stop string has appeared.
 """
 
 from __future__ import annotations
@@ -256,8 +261,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: list[int | TokenError]) -> list[Request]:
         """Advance the step's sequences, append the sampled tokens (one per sampling sequence, in order).
 
-        Finishes sequences on a stop token, ``max_tokens`` or ``max_model_len``, and with
-        ``"error"`` those whose row produced a :class:`TokenError` instead of a token.
+        Finishes sequences that stop (:meth:`_stop_reason`), and with ``"error"`` those whose row
+        produced a :class:`TokenError` instead of a token.
 
         :return: the sequences that got a token or an error, in step order.
         """
@@ -279,11 +284,24 @@ class Scheduler:
                 continue
             seq.append(token)
             grown.append(seq)
-            if token in seq.stop_token_ids:
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-                self.finish(seq, "length")
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
         return grown
+
+    def _stop_reason(self, seq: Request, token: int) -> str | None:
+        """Why ``seq`` ends with ``token``, its newest (``None``: it goes on); the one place stopping is decided.
+
+        A stop token (``"stop"``) first, then the length (``"length"``: ``max_tokens`` or
+        ``max_model_len``), then a stop string in the text (``"stop"``). The stop matcher is fed every
+        token, also one that ends the request otherwise, so the text it decodes stays whole.
+        """
+        in_text = seq.stop_matcher is not None and seq.stop_matcher.feed(token)
+        if token in seq.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return "stop" if in_text else None
 
     # --- blocks ------------------------------------------------------------------------------------
 
