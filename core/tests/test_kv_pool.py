@@ -116,6 +116,61 @@ def test_prefix_cache_hits_cached_free_blocks_until_evicted_lru_first():
     pool.check_invariants()
 
 
+def _cached_free(pool, contents):
+    """Blocks holding ``contents`` (one block each), registered, then freed in order: cached-free, LRU first."""
+    blocks = pool.allocate(len(contents))
+    hashes = [pool.hash_block(None, c) for c in contents]
+    for b, h in zip(blocks, hashes, strict=True):
+        pool.register(b, h)
+    for b in blocks:
+        pool.free([b])
+    return blocks, hashes
+
+
+def test_the_pool_answers_its_eviction_order_and_allocate_follows_it():
+    pool = BlockPool(4, 2)
+    (a, b, c), _ = _cached_free(pool, [[1, 1], [2, 2], [3, 3]])
+    assert pool.cached_blocks() == (a, b, c)  # least recently freed first
+    assert pool.lookup(pool.hash_block(None, [1, 1])) == a  # a hit takes a out of the cache ...
+    pool.free([a])  # ... and freeing it again makes it the most recently used
+    assert pool.cached_blocks() == (b, c, a)
+    assert pool.allocate(1) == [3] and pool.cached_blocks() == (b, c, a)  # the plain free block goes first
+    assert pool.allocate(2) == [b, c] and pool.cached_blocks() == (a,)  # then the cached ones, in that order
+    pool.check_invariants()
+
+
+def test_evict_drops_chosen_prefixes_and_allocate_takes_those_blocks_first():
+    pool = BlockPool(3, 2)
+    (a, b, c), (ha, hb, hc) = _cached_free(pool, [[1, 1], [2, 2], [3, 3]])
+    pool.evict([c, b])  # not the LRU order: a reclaimer's choice
+    assert pool.cached_blocks() == (a,) and pool.num_free == 3 and pool.num_cached == 1
+    assert pool.stats().evictions == 2
+    assert pool.lookup(hb) is None and pool.lookup(hc) is None
+    assert sorted(pool.allocate(2)) == [b, c]  # the evicted blocks, before the cached one
+    assert pool.cached_blocks() == (a,) and pool.lookup(ha) == a
+    pool.check_invariants()
+
+
+def test_evict_refuses_a_block_that_is_not_cached_free_and_changes_nothing():
+    pool = BlockPool(4, 2)
+    (a,), _ = _cached_free(pool, [[1, 1]])
+    (used,) = pool.allocate(1)
+    plain = next(x for x in range(4) if x not in (a, used))
+    for bad, message in (
+        (used, f"block {used} is not cached-free \\(it has 1 reference"),
+        (plain, f"block {plain} is not cached-free \\(it holds no prefix"),
+        (4, "foreign"),
+        ("1", "foreign"),
+    ):
+        with pytest.raises(MemoryContractError, match=message):
+            pool.evict([a, bad])  # checked before anything changes: a stays cached
+        assert pool.cached_blocks() == (a,)
+    with pytest.raises(MemoryContractError, match=f"block {a} is named twice"):
+        pool.evict([a, a])
+    assert pool.cached_blocks() == (a,) and pool.stats().evictions == 0
+    pool.check_invariants()
+
+
 def test_register_keeps_the_first_block_of_a_content_and_refuses_a_second_hash():
     pool = BlockPool(3, 2)
     a, b = pool.allocate(2)

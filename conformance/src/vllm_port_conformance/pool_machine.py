@@ -1,10 +1,11 @@
 """A hypothesis state machine over a KV block pool, shared by core's tests and the conformance checks.
 
-It drives allocate/free/fork/copy_on_write/lookup/register at random against a model of who holds
-which block, and asserts the pool's invariants after every step: no block both free and used,
+It drives allocate/free/fork/copy_on_write/lookup/register/evict at random against a model of who
+holds which block, and asserts the pool's invariants after every step: no block both free and used,
 reference counts never negative and equal to the model's, copy-on-write never changes a block
-another sequence shares, a prefix hit returns the content registered, errors change nothing, and
-every block is reusable once all are freed.
+another sequence shares, a prefix hit returns the content registered, the cached-free blocks the
+pool answers (``cached_blocks``) are free and each once, an evicted block's content is never hit
+again, errors change nothing, and every block is reusable once all are freed.
 """
 
 from __future__ import annotations
@@ -116,13 +117,31 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.data[b] == self.hashes[h]  # a hit returns the content registered, never another
             self.seqs.append([b])
 
+    @rule(i=st.integers(0, 99))
+    def evict(self, i):
+        cached = self.pool.cached_blocks()
+        if not cached:
+            return
+        block = cached[i % len(cached)]
+        held = [h for h, tag in self.hashes.items() if tag == self.data[block]]  # what the block answers
+        free_before = self.pool.num_free
+        self.pool.evict([block])
+        assert block not in self.pool.cached_blocks() and not self.pool.is_cached(block)
+        assert self.pool.num_free == free_before  # still free, now plainly
+        for h in held:
+            assert self.pool.lookup(h) is None, f"block {block} was evicted, yet its content is still hit"
+
     @rule(bad=st.sampled_from([-1, NUM_BLOCKS, "x"]))
     def errors_leave_the_pool_unchanged(self, bad):
         before = [self.pool.ref_count(b) for b in range(self.NUM_BLOCKS)], self.pool.num_free
         free_block = next((b for b in range(self.NUM_BLOCKS) if b not in self.refs()), None)
-        for call, arg in ((self.pool.free, [bad]), (self.pool.fork, [bad])):
+        for call, arg in ((self.pool.free, [bad]), (self.pool.fork, [bad]), (self.pool.evict, [bad])):
             with pytest.raises(MemoryContractError):
                 call(arg)
+        used = next(iter(self.refs()), None)
+        if used is not None:  # a block some sequence holds is never evicted
+            with pytest.raises(MemoryContractError):
+                self.pool.evict([used])
         if free_block is not None:
             with pytest.raises(MemoryContractError):
                 self.pool.free([free_block])
@@ -140,6 +159,9 @@ class PoolMachine(RuleBasedStateMachine):
         for b in range(self.NUM_BLOCKS):
             assert self.pool.ref_count(b) == counts.get(b, 0) >= 0
         assert self.pool.num_free == self.NUM_BLOCKS - len(counts)
+        cached = self.pool.cached_blocks()
+        assert len(set(cached)) == len(cached) == self.pool.num_cached <= self.pool.num_free
+        assert not set(cached) & set(counts), "a cached-free block is held by a sequence"
 
     def teardown(self):
         for seq in self.seqs:

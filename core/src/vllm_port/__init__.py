@@ -23,7 +23,7 @@ from .runtime import Runtime, load
 
 def __getattr__(name: str) -> object:
     # the engine (models, tokenizers) loads on first use, so `import vllm_port` stays light for plugins
-    if name in ("LLM", "SamplingParams"):
+    if name in ("LLM", "EngineConfig", "SamplingParams"):
         from . import engine
 
         return getattr(engine, name)
@@ -45,6 +45,7 @@ __all__ = [
     "ApiRange",
     "ApiVersionError",
     "DeviceInfo",
+    "EngineConfig",
     "OpInputError",
     "PlatformDescription",
     "Platforms",

@@ -5,7 +5,9 @@ Vocabulary as in vLLM: a sequence owns a *block table*, a list of block ids; a b
 prefix share its blocks (``fork``); a shared block about to be written is copied first
 (``copy_on_write``). A *full* block may carry a content hash chained with its parent's
 (``hash_block``); when its last reference goes, it joins an LRU of cached-free blocks that a later
-``lookup`` can still hit until ``allocate`` evicts it for a plain block.
+``lookup`` can still hit until ``allocate`` evicts it for a plain block. The pool alone keeps that
+order: ``cached_blocks`` answers it (least recently used first, the order ``allocate`` evicts in),
+and ``evict`` drops chosen cached blocks' prefixes (a reclaimer's plan) so they are taken first.
 
 Every method checks its arguments before it changes anything, so the pool stays consistent after
 any :class:`MemoryContractError`. Running out of blocks is not an error: ``allocate`` answers
@@ -208,6 +210,33 @@ class BlockPool:
             del self._cached[b]
         self._ref[b] += 1
         return b
+
+    def cached_blocks(self) -> tuple[int, ...]:
+        """The cached-free blocks in eviction order: least recently used first, as ``allocate`` evicts them."""
+        return tuple(self._cached)
+
+    def evict(self, blocks: Iterable[int]) -> None:
+        """Drop the prefixes of cached-free ``blocks``: each becomes plain free, taken by ``allocate`` before
+        any cached block (the scheduler evicts what a reclaimer chose, in the plan's order).
+
+        :raises MemoryContractError: for a block that is not cached-free (in use, plain free or foreign),
+            or named twice; nothing changes then.
+        """
+        blocks = self._check_ids("evict", blocks)
+        cached, seen = self._cached, set()
+        for b in blocks:
+            if b not in cached:
+                state = f"has {self._ref[b]} reference(s)" if self._ref[b] else "holds no prefix"
+                raise MemoryContractError(
+                    f"evict: block {b} is not cached-free (it {state}); only blocks in cached_blocks() can be evicted"
+                )
+            if b in seen:
+                raise MemoryContractError(f"evict: block {b} is named twice")
+            seen.add(b)
+        for b in blocks:
+            del self._by_hash[cached.pop(b)], self._hash_of[b]
+            self._free.append(b)
+        self._evictions += len(blocks)
 
     # --- in-flight migrations ------------------------------------------------------------------
 

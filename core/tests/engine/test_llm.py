@@ -135,6 +135,23 @@ def test_stop_strings_and_stop_token_ids(llama_model, cpu_runtime):
     assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]
 
 
+def test_one_decision_per_token_the_length_before_a_stop_string(llama_model, cpu_runtime):
+    """The scheduler decides every stop: when the token completing a stop string is also the last
+    ``max_tokens`` allows, the reason is ``length``; the text is cut before the stop string either way."""
+    llm = make_llm(llama_model, cpu_runtime)
+    prompt = "The sea was calm"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop = free.text[5:8]
+    by_text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop))
+    stopped = by_text[0].outputs[0]
+    n = len(stopped.token_ids)
+    at_length = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop=stop))
+    last = at_length[0].outputs[0]
+    assert stopped.finish_reason == "stop" and last.finish_reason == "length"
+    assert last.token_ids == stopped.token_ids and last.text == stopped.text == free.text[: free.text.index(stop)]
+    assert_pool_empty(llm)
+
+
 def test_eos_ends_a_request_unless_ignored(llama_model, cpu_runtime):
     llm = make_llm(llama_model, cpu_runtime)
     # a prompt whose greedy continuation meets an end-of-sequence id (2 or 3) within 64 tokens

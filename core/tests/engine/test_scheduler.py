@@ -200,6 +200,36 @@ def test_stop_tokens_and_max_model_len_finish_requests():
     assert b.finish_reason == "length" and b.num_tokens == 12
 
 
+class _StopAt:
+    """A stop matcher that finds a "stop string" once it has seen ``token``, and records what it was fed."""
+
+    def __init__(self, token):
+        self.token, self.fed = token, []
+
+    def feed(self, token_id):
+        self.fed.append(token_id)
+        return self.token in self.fed
+
+
+def test_update_decides_every_stop_in_one_place_and_feeds_the_matcher_each_token():
+    sched, runner = make(max_len=16), FakeRunner(BLOCK)
+    prompt = [1, 2, 3]
+    out = expected_output(prompt, 6)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    by_text = Request("0", 0, prompt, params, stop_matcher=_StopAt(out[2]))
+    token_first = Request("1", 1, prompt, params, stop_token_ids=[out[3]], stop_matcher=_StopAt(out[3]))
+    length_first = Request("2", 2, prompt, params, stop_matcher=_StopAt(out[5]))  # max_tokens and the text agree
+    for seq in (by_text, token_first, length_first):
+        sched.add(seq)
+    run(sched, runner)
+    assert by_text.finish_reason == "stop" and by_text.output_token_ids == out[:3]
+    assert token_first.finish_reason == "stop" and token_first.output_token_ids == out[:4]
+    assert length_first.finish_reason == "length" and length_first.output_token_ids == out
+    for seq in (by_text, token_first, length_first):  # every output token, the one that ended it included
+        assert seq.stop_matcher.fed == seq.output_token_ids
+    assert_pool_empty(sched)
+
+
 class _Recording(DefaultReclaimer):
     def __init__(self):
         super().__init__(swap_min_tokens=0)
@@ -219,6 +249,54 @@ def test_reclaimer_sees_cached_blocks_first_and_requests_only_when_they_cannot_c
     run(sched, runner)
     first = reclaimer.pressures[0]
     assert first.need == 5 and first.free == 4 and len(first.cached) == 2 and first.candidates == ()
+
+
+class _EvictNewest(DefaultReclaimer):
+    """Evicts the most recently used cached blocks (the pool's order reversed): not what allocate would take."""
+
+    def __init__(self):
+        super().__init__()
+        self.pressures = []
+
+    def plan(self, pressure):
+        self.pressures.append(pressure)
+        return ReclaimPlan(evict=pressure.cached[::-1][: pressure.need - pressure.free])
+
+
+class _NewestFirstPool(BlockPool):
+    """A plugin's pool whose eviction order is its own (most recently freed first)."""
+
+    def cached_blocks(self):
+        return super().cached_blocks()[::-1]
+
+
+@pytest.mark.parametrize("pool_class", [BlockPool, _NewestFirstPool])
+def test_the_scheduler_asks_the_pool_which_blocks_are_cached_and_evicts_through_it(pool_class):
+    reclaimer = _EvictNewest()
+    pool = pool_class(6, BLOCK)
+    sched, runner = Scheduler(SchedulerConfig(24, 8, 64), pool, reclaimer), FakeRunner(BLOCK)
+    assert not hasattr(sched, "_cached")  # no books of its own
+    first_blocks = []
+    for i in range(2):  # one after the other: each leaves one full block cached
+        seq = request(i, [i + 1] * 5, max_tokens=1)
+        sched.add(seq)
+        out = sched.schedule()
+        first_blocks.append(seq.block_table[0])
+        sched.update(out, runner.execute(out))
+    cached = pool.cached_blocks()
+    assert sorted(cached) == sorted(first_blocks)
+    late = request(2, [9] * 17, max_tokens=1)  # 5 blocks: the 4 plain ones and 1 cached
+    sched.add(late)
+    run(sched, runner)
+    (pressure,) = reclaimer.pressures
+    assert pressure.cached == cached and pressure.free == 4  # the pool's answer, in the pool's order
+    evicted = first_blocks.index(cached[-1])  # the reclaimer's choice, not what allocate would evict
+    kept = 1 - evicted
+    assert pool.lookup(pool.hash_block(None, [evicted + 1] * BLOCK)) is None
+    assert pool.lookup(pool.hash_block(None, [kept + 1] * BLOCK)) == first_blocks[kept]
+    pool.free([first_blocks[kept]])
+    assert pool.stats().evictions == 1 and late.output_token_ids == expected_output([9] * 17, 1)
+    assert_pool_empty(sched)
 
 
 @pytest.mark.parametrize(

@@ -48,13 +48,22 @@ from ..models.config import model_file
 from ..models.loader import check_fits
 from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
+from .config import EngineConfig
 from .request import Request
 from .runner import ModelRunner, StepFunction
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
-__all__ = ["HOST_KV_CACHE_BYTES", "LLM", "CompletionOutput", "EngineError", "RequestOutput", "StreamOutput"]
+__all__ = [
+    "HOST_KV_CACHE_BYTES",
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineError",
+    "RequestOutput",
+    "StreamOutput",
+]
 
 #: A prompt: text (needs the model's tokenizer.json) or token ids.
 Prompt = str | Sequence[int]
@@ -132,6 +141,9 @@ class _Submission:
 class LLM:
     """A model loaded on the selected hardware, with a scheduler and a paged KV cache, ready to generate.
 
+    The arguments are the fields of an :class:`~vllm_port.engine.EngineConfig`, checked as it is made
+    (before anything loads); :meth:`from_config` builds the same engine from one.
+
     :param model: a Hugging Face model directory (config.json, safetensors, tokenizer.json); ``None``
         loads the bundled model.
     :param device: ``"auto"`` discovers installed plugins and selects the best available platform;
@@ -194,117 +206,60 @@ class LLM:
         placement: Any = None,
         devices: Sequence[str] | None = None,
     ) -> None:
-        # the cheap argument checks first: importing moves, casts and traces the user's module
-        importing = importer is not None or isinstance(model, torch.nn.Module)
-        if importing and (placement is not None or devices is not None):
-            raise ValueError(
-                "placement of imported models is not supported yet: an imported model (importer= or a transformers "
-                "module) runs on one platform; drop placement/devices, or place the core model definitions "
-                "(importer=None)"
+        self._start(
+            EngineConfig(
+                model=model,
+                device=device,
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len,
+                kv_cache_memory=kv_cache_memory,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching,
+                swap_space=swap_space,
+                seed=seed,
+                plugins=plugins,
+                make_step=make_step,
+                enforce_eager=enforce_eager,
+                importer=importer,
+                placement=placement,
+                devices=devices,
             )
-        _check_engine_args(
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            swap_space=swap_space,
-            seed=seed,
-            plugins=plugins,
-            enforce_eager=enforce_eager,
         )
-        self.placement = _placement(placement, devices, device, plugins, tensor_parallel_size)  # None: one platform
-        if self.placement is not None:
-            self.runtime = self.placement.platforms.default
-        else:
-            self.runtime = (
-                device if isinstance(device, Runtime) else load(plugins, None if device == "auto" else device)
-            )
-        block_size = self.runtime.platform.kv_block_size if block_size is None else block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size is {block_size!r}; it must be a positive int (tokens per KV-cache block)")
-        imported = None  # a transformers module, or a directory loaded through transformers (vllm_port.importer)
-        if importing:
-            from ..importer.engine import import_for_engine
 
-            imported = import_for_engine(model, importer, self.runtime, dtype, _resolve_dtype, tensor_parallel_size)
-            model = model if isinstance(model, (str, os.PathLike)) else None
-        self.model_dir = Path(model) if model is not None else None if imported is not None else bundled_model_dir()
-        config = imported.config if imported is not None else load_config(self.model_dir)
-        self.dtype = imported.dtype if imported is not None else _resolve_dtype(dtype, config.dtype)
-        # from config.json's sizes alone, before any weight or cache is allocated; with tensor
-        # parallelism the ranks own the devices (asking here could open a device context in this process)
-        if imported is None:
-            check_fits(
-                config,
-                self.dtype,
-                device_free=self.runtime.allocator().mem_info()[0]
-                if tensor_parallel_size == 1 and not self.placement  # placement checks each platform's share
-                else None,
-                host_free=host_memory()[0],
-                where=f"platform {self.runtime.platform.name!r}'s device",
-                config_path=self.model_dir / "config.json",
-            )
-        if max_model_len is not None and max_model_len > config.max_position_embeddings:
-            source = self.model_dir / "config.json" if self.model_dir else config.architecture
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"({config.max_position_embeddings}, {source}); lower it"
-            )
-        self.tokenizer = None  # an imported module brings no tokenizer: prompts are token ids
-        if self.model_dir is not None:
-            model_file(self.model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
-            self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
-        longest = max_model_len or config.max_position_embeddings
-        kv_cache_memory = _default_kv_budget(self.runtime) if kv_cache_memory is None else kv_cache_memory
-        # the rotary table covers the longest context the cache could hold, not the config's maximum
-        rope = (
-            {}
-            if imported is not None
-            else {
-                "max_positions": _rope_positions(
-                    self.runtime, config, self.dtype, longest, kv_cache_memory, tensor_parallel_size
-                )
-            }
-        )
-        if swap_space is None:
-            swap_space = 0 if self.placement else _default_swap(self.runtime, kv_cache_memory)
-        self.runner = _make_runner(
-            self.runtime,
-            self.model_dir if imported is None else imported,
-            self.dtype,
-            tensor_parallel_size,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            swap_space=swap_space,
-            # whole blocks per sequence: 8 sequences of 48 tokens need 8 blocks of 128, not 3
-            max_tokens=max_num_seqs * -(-longest // block_size) * block_size,
-            **({"make_step": make_step} if make_step is not None else {}),
-            **({"placement": self.placement} if self.placement is not None else {}),
-            **rope,
-        )
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """The engine ``config`` describes: the same as ``LLM(...)`` with ``config``'s fields as arguments."""
+        return cls(**config.as_arguments())
+
+    def _start(self, config: EngineConfig) -> None:
+        """Load the platform(s), open the model, build the runner and the scheduler that ``config`` asks for."""
+        self.engine_config = config
+        self.runtime, self.placement = _load_platforms(config)  # placement None: one platform
+        opened = _open_model(config, self.runtime)
+        self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
+        self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text
+        sizing = _size_cache(config, self.runtime, opened, self.placement)
+        self.runner = _make_runner(config, self.runtime, opened, self.placement, sizing)
         # the cache's memory goes back to the allocator when the LLM goes away, closed or not
         self._finalizer = weakref.finalize(self, self.runner.close)
-        self.config = config
-        capacity = self.runner.pool.num_blocks * block_size
-        self.max_model_len = max_model_len or min(config.max_position_embeddings, capacity, *rope.values())
+        capacity = self.runner.pool.num_blocks * sizing.block_size
+        longest = min(self.config.max_position_embeddings, capacity, sizing.max_positions or capacity)
+        self.max_model_len = config.max_model_len or longest
         try:
-            self.scheduler = Scheduler(
-                SchedulerConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
-                self.runner.pool,
-                self.runtime.reclaimer(),
-                self.runner.swap_pool,
-                reclaimer_name=f"plugin {self.runtime.reclaimer_plugin!r}'s reclaimer",
-            )
+            self.scheduler = _make_scheduler(config, self.runtime, self.runner, self.max_model_len)
             #: the decode batch sizes replayed from captured graphs (empty: every step eager)
             self.captured_batch_sizes = (
-                [] if enforce_eager or self.placement else self.runner.capture_decode(max_num_seqs, self.max_model_len)
+                []
+                if config.enforce_eager or self.placement
+                else self.runner.capture_decode(config.max_num_seqs, self.max_model_len)
             )
         except BaseException:
             self.close()
             raise
-        self._seeds = random.Random(seed)  # noqa: S311 - sampling seeds, not secrets
+        self._seeds = random.Random(config.seed)  # noqa: S311 - sampling seeds, not secrets
         self._ids = itertools.count()
         self._live: dict[str, _Submission] = {}  # requests of open generate/stream calls, by id
 
@@ -378,8 +333,9 @@ class LLM:
                 continue
             stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-            seq = Request(request_id, int(request_id), ids, p, stop_ids, seed)
+            # the scheduler feeds the detokenizer each token, and stops the request on a stop string it finds
             detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings) if self.tokenizer else None
+            seq = Request(request_id, int(request_id), ids, p, stop_ids, seed, stop_matcher=detok)
             requests.append(_Submission(index, text, seq, detok))
         return requests
 
@@ -491,10 +447,8 @@ class LLM:
             return StreamOutput(r.index, seq.request_id, [], text, "error", seq.error)
         token = seq.token_ids[-1]
         text = ""
-        if r.detokenizer is not None:
-            text = r.detokenizer.add(token)
-            if r.detokenizer.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
+        if r.detokenizer is not None:  # fed the token by the scheduler, which also decided on the stop strings
+            text = r.detokenizer.take()
             if seq.is_finished:
                 text += r.detokenizer.flush()
         r.text.append(text)
@@ -565,33 +519,6 @@ def _unicode_problem(text: str) -> str | None:
             "fix the text where it was decoded (errors='replace' drops such characters) or pass token ids"
         )
     return None
-
-
-def _check_engine_args(**args: Any) -> None:
-    """Refuse an ``LLM`` argument of the wrong type or range, by its own name, before anything is loaded."""
-
-    def is_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    rules: dict[str, tuple[Callable[[Any], bool], str]] = {
-        "tensor_parallel_size": (lambda v: is_int(v) and v >= 1, "an int >= 1 (devices to shard the model over)"),
-        "max_model_len": (lambda v: v is None or (is_int(v) and v >= 2), "None or an int >= 2 (prompt and output)"),
-        "kv_cache_memory": (
-            lambda v: v is None or (is_int(v) and v >= 1) or (isinstance(v, float) and 0.0 < v <= 1.0),
-            "None (the platform's default), a fraction in (0, 1] of the free device memory, or an int of bytes >= 1",
-        ),
-        "max_num_seqs": (lambda v: is_int(v) and v >= 1, "an int >= 1 (the most requests running at once)"),
-        "max_num_batched_tokens": (lambda v: is_int(v) and v >= 1, "an int >= 1 (tokens one step may run)"),
-        "swap_space": (lambda v: v is None or (is_int(v) and v >= 0), "None or an int of bytes >= 0 (0: no swap)"),
-        "seed": (lambda v: v is None or is_int(v), "None or an int"),
-        "plugins": (lambda v: v is None or isinstance(v, str), "None or an allow/deny list such as 'cpu' or '-rocm'"),
-        "enable_prefix_caching": (lambda v: isinstance(v, bool), "True or False"),
-        "enforce_eager": (lambda v: isinstance(v, bool), "True or False"),
-    }
-    for name, value in args.items():
-        accepts, expected = rules[name]
-        if not accepts(value):
-            raise ValueError(f"LLM({name}={value!r:.80}): {name} is {value!r:.80}; it must be {expected}")
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
@@ -667,22 +594,162 @@ def _default_swap(runtime: Runtime, kv_cache_memory: float | int) -> int:
     return min(kv_cache_memory, 4 << 30) if isinstance(kv_cache_memory, int) else 4 << 30
 
 
-def _placement(placement: Any, devices: Sequence[str] | None, device: Any, plugins: str | None, tp: int) -> Any:
-    """The engine's placement (``vllm_port.placement.EnginePlacement``) when ``placement`` or ``devices`` is given."""
-    if placement is None and devices is None:
-        return None
-    if tp != 1:
-        raise ValueError("placement runs the model in this process; use tensor_parallel_size=1 with placement")
-    from ..placement import EnginePlacement
+def _load_platforms(config: EngineConfig) -> tuple[Runtime, Any]:
+    """The engine's runtime, and its placement over several platforms when ``config`` places the model (else ``None``).
 
-    return EnginePlacement.create(placement, devices, device, plugins)
+    The placement is a ``vllm_port.placement.EnginePlacement``; its first platform is the engine's.
+    """
+    if config.places:
+        from ..placement import EnginePlacement
+
+        placement = EnginePlacement.create(config.placement, config.devices, config.device, config.plugins)
+        return placement.platforms.default, placement
+    if isinstance(config.device, Runtime):
+        return config.device, None
+    return load(config.plugins, None if config.device == "auto" else config.device), None
 
 
-def _make_runner(runtime: Runtime, model_dir: Any, dtype: torch.dtype, tensor_parallel_size: int, **kwargs: Any) -> Any:
-    if tensor_parallel_size == 1:
-        return ModelRunner(runtime, model_dir, dtype, **kwargs)
-    if "make_step" in kwargs:
-        raise ValueError("make_step runs in this process; with tensor_parallel_size > 1 the ranks run the eager step")
+@dataclass(frozen=True)
+class _OpenedModel:
+    """The model an engine runs, opened but not loaded.
+
+    Attributes:
+        model_dir: the directory the model comes from; ``None`` for a ``transformers`` module.
+        imported: the model imported from ``transformers`` (``vllm_port.importer``), or ``None``:
+            the core model definitions load ``model_dir``.
+        config: the model's config (``vllm_port.models.ModelConfig``).
+        dtype: the dtype it runs in.
+        tokenizer: the directory's ``tokenizer.json``; ``None`` without one.
+    """
+
+    model_dir: Path | None
+    imported: Any
+    config: Any
+    dtype: torch.dtype
+    tokenizer: Tokenizer | None
+
+    @property
+    def weights(self) -> Any:
+        """What the runner loads: the imported model, or the model directory."""
+        return self.imported if self.imported is not None else self.model_dir
+
+
+def _open_model(config: EngineConfig, runtime: Runtime) -> _OpenedModel:
+    """``config.model``'s config, dtype, weights source and tokenizer, checked before any weight loads.
+
+    An imported model is imported here (``vllm_port.importer``: ``config.importer``, or a ``transformers``
+    module); a directory's config is checked against the memory free for its weights.
+    """
+    imported, model = None, config.model
+    if config.imports:
+        from ..importer.engine import import_for_engine
+
+        imported = import_for_engine(
+            model, config.importer, runtime, config.dtype, _resolve_dtype, config.tensor_parallel_size
+        )
+        model_dir = Path(model) if isinstance(model, (str, os.PathLike)) else None
+        model_config, dtype = imported.config, imported.dtype
+    else:
+        model_dir = bundled_model_dir() if model is None else Path(model)
+        model_config = load_config(model_dir)
+        dtype = _resolve_dtype(config.dtype, model_config.dtype)
+        _check_fits(config, runtime, model_config, dtype, model_dir)
+    if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
+        source = model_dir / "config.json" if model_dir else model_config.architecture
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_config.max_position_embeddings}, {source}); lower it"
+        )
+    tokenizer = None  # an imported module brings no tokenizer: prompts are token ids
+    if model_dir is not None:
+        model_file(model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+    return _OpenedModel(model_dir, imported, model_config, dtype, tokenizer)
+
+
+def _check_fits(config: EngineConfig, runtime: Runtime, model_config: Any, dtype: torch.dtype, model_dir: Path) -> None:
+    """Refuse weights the memory cannot hold, from config.json's sizes alone (before anything is allocated).
+
+    With tensor parallelism the ranks own the devices (asking here could open a device context in
+    this process), and a placement checks each platform's share: then only host memory is checked.
+    """
+    one_device = config.tensor_parallel_size == 1 and not config.places
+    check_fits(
+        model_config,
+        dtype,
+        device_free=runtime.allocator().mem_info()[0] if one_device else None,
+        host_free=host_memory()[0],
+        where=f"platform {runtime.platform.name!r}'s device",
+        config_path=model_dir / "config.json",
+    )
+
+
+@dataclass(frozen=True)
+class _CacheSizing:
+    """The KV cache an engine asks its runner for (``ModelRunner``'s arguments of the same names).
+
+    Attributes:
+        max_positions: positions of the rotary table: the longest context the cache could hold, not
+            the config's maximum; ``None`` for an imported model, which builds its own.
+    """
+
+    block_size: int
+    kv_cache_memory: float | int
+    swap_space: int
+    max_tokens: int
+    max_positions: int | None
+
+    def runner_arguments(self) -> dict[str, Any]:
+        sizes = {name: getattr(self, name) for name in ("block_size", "kv_cache_memory", "swap_space", "max_tokens")}
+        return sizes if self.max_positions is None else {**sizes, "max_positions": self.max_positions}
+
+
+def _size_cache(config: EngineConfig, runtime: Runtime, model: _OpenedModel, placement: Any) -> _CacheSizing:
+    """The cache ``config`` asks for, with the platform's defaults where it gives none."""
+    block_size = runtime.platform.kv_block_size if config.block_size is None else config.block_size
+    longest = config.max_model_len or model.config.max_position_embeddings
+    budget = _default_kv_budget(runtime) if config.kv_cache_memory is None else config.kv_cache_memory
+    swap_space = config.swap_space
+    if swap_space is None:
+        swap_space = 0 if placement is not None else _default_swap(runtime, budget)
+    positions = None
+    if model.imported is None:
+        ranks = config.tensor_parallel_size
+        positions = _rope_positions(runtime, model.config, model.dtype, longest, budget, ranks)
+    # whole blocks per sequence: 8 sequences of 48 tokens need 8 blocks of 128, not 3
+    max_tokens = config.max_num_seqs * -(-longest // block_size) * block_size
+    return _CacheSizing(block_size, budget, swap_space, max_tokens, positions)
+
+
+def _make_scheduler(config: EngineConfig, runtime: Runtime, runner: Any, max_model_len: int) -> Scheduler:
+    """The scheduler over the runner's block pools, asking the platform's reclaimer when they run short."""
+    return Scheduler(
+        SchedulerConfig(
+            max_model_len, config.max_num_seqs, config.max_num_batched_tokens, config.enable_prefix_caching
+        ),
+        runner.pool,
+        runtime.reclaimer(),
+        runner.swap_pool,
+        reclaimer_name=f"plugin {runtime.reclaimer_plugin!r}'s reclaimer",
+    )
+
+
+def _make_runner(
+    config: EngineConfig, runtime: Runtime, model: _OpenedModel, placement: Any, sizing: _CacheSizing
+) -> Any:
+    """The runner of ``config``'s mode: a ``ModelRunner`` in this process (plain, imported or placed), or
+    a ``TensorParallelRunner`` over ``tensor_parallel_size`` worker ranks."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(
+            runtime,
+            model.weights,
+            model.dtype,
+            make_step=config.make_step,
+            placement=placement,
+            **sizing.runner_arguments(),
+        )
     from .tensor_parallel import TensorParallelRunner
 
-    return TensorParallelRunner(runtime, model_dir, dtype, tensor_parallel_size, **kwargs)
+    return TensorParallelRunner(
+        runtime, model.weights, model.dtype, config.tensor_parallel_size, **sizing.runner_arguments()
+    )

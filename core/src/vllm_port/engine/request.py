@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import Protocol
 
 from .sampling_params import SamplingParams
 
-__all__ = ["FINISH_REASONS", "Request", "RequestStatus"]
+__all__ = ["FINISH_REASONS", "Request", "RequestStatus", "StopMatcher"]
 
 #: Why a request ended: a stop token or string (``"stop"``), ``max_tokens`` or the model's
 #: length (``"length"``), a bad request (``"error"``, with a message), or the caller gave up (``"abort"``).
@@ -29,6 +30,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class StopMatcher(Protocol):
+    """What watches a request's text for its stop strings: the engine's detokenizer, which the scheduler
+    feeds (it never reads text itself, nor imports a tokenizer)."""
+
+    def feed(self, token_id: int) -> bool:
+        """Take the request's next output token; whether its text now holds a stop string."""
+        ...
+
+
 class Request:
     """One request's tokens, status and cache blocks.
 
@@ -38,6 +48,8 @@ class Request:
     :param stop_token_ids: ids that end the request (the model's end-of-sequence ids unless
         ``ignore_eos``, and ``params.stop_token_ids``).
     :param seed: the request's sampling seed; step ``i``'s draw uses ``seed + i``.
+    :param stop_matcher: fed each output token, answers whether a stop string has appeared in the
+        text (``None``: no text is watched); the scheduler stops the request on its answer.
     """
 
     def __init__(
@@ -48,6 +60,7 @@ class Request:
         params: SamplingParams,
         stop_token_ids: Iterable[int] = (),
         seed: int = 0,
+        stop_matcher: StopMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.arrival = arrival
@@ -56,6 +69,7 @@ class Request:
         self.params = params
         self.stop_token_ids = frozenset(stop_token_ids)
         self.seed = seed
+        self.stop_matcher = stop_matcher
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -182,7 +182,7 @@ class ModelRunner:
 
     @property
     def pool(self) -> Any:
-        """The device KV cache's block pool (the scheduler keeps its books)."""
+        """The device KV cache's block pool (the scheduler allocates from it and asks it what is cached)."""
         return self.kv.pool
 
     @property

@@ -21,14 +21,20 @@ Order, first come first served, with no starvation:
 The pool is the platform's block pool (:class:`vllm_port.kv_pool.BlockPool`'s interface); swap space
 is a second pool, of the swap tier. Prefix caching registers each block once its tokens are
 computed, chained by content hash; blocks of finished or preempted requests stay cached-free until
-they are evicted. While cached blocks can cover a need, only cached blocks are offered to the
-reclaimer (running work is never lost to keep a cache).
+they are evicted. The pool owns which blocks are cached-free and in which order they go: the
+scheduler asks it (``cached_blocks``) and evicts through it (``evict``), keeping no books of its own.
+While cached blocks can cover a need, only cached blocks are offered to the reclaimer (running work
+is never lost to keep a cache).
+
+Stopping is decided in one place, :meth:`Scheduler.update`, as each sampled token is appended: a
+stop token, then the request's length (``max_tokens``, ``max_model_len``), then a stop string in its
+text. The text is not the scheduler's to read: the request carries a :class:`~.request.StopMatcher`
+(the engine's detokenizer), fed every output token, that answers whether a stop string has appeared.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,8 +193,6 @@ class Scheduler:
         self.block_size: int = pool.block_size
         self.waiting: list[Request] = []  # in arrival order
         self.running: list[Request] = []  # in arrival order
-        #: cached-free blocks (block -> prefix hash) in the pool's order, least recently used first
-        self._cached: OrderedDict[int, int] = OrderedDict()
         #: preemptions so far, and how many of them swapped (the rest recomputed)
         self.num_preemptions = 0
         self.num_swapped = 0
@@ -257,8 +261,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: list[int | TokenError]) -> list[Request]:
         """Advance the step's sequences, append the sampled tokens (one per sampling sequence, in order).
 
-        Finishes sequences on a stop token, ``max_tokens`` or ``max_model_len``, and with
-        ``"error"`` those whose row produced a :class:`TokenError` instead of a token.
+        Finishes sequences that stop (:meth:`_stop_reason`), and with ``"error"`` those whose row
+        produced a :class:`TokenError` instead of a token.
 
         :return: the sequences that got a token or an error, in step order.
         """
@@ -280,11 +284,24 @@ class Scheduler:
                 continue
             seq.append(token)
             grown.append(seq)
-            if token in seq.stop_token_ids:
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-                self.finish(seq, "length")
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
         return grown
+
+    def _stop_reason(self, seq: Request, token: int) -> str | None:
+        """Why ``seq`` ends with ``token``, its newest (``None``: it goes on); the one place stopping is decided.
+
+        A stop token (``"stop"``) first, then the length (``"length"``: ``max_tokens`` or
+        ``max_model_len``), then a stop string in the text (``"stop"``). The stop matcher is fed every
+        token, also one that ends the request otherwise, so the text it decodes stays whole.
+        """
+        in_text = seq.stop_matcher is not None and seq.stop_matcher.feed(token)
+        if token in seq.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return "stop" if in_text else None
 
     # --- blocks ------------------------------------------------------------------------------------
 
@@ -313,15 +330,14 @@ class Scheduler:
             pressure = MemoryPressure(
                 need=need,
                 free=pool.num_free - pool.num_cached,
-                cached=tuple(b for b in self._cached if pool.is_cached(b)),
+                cached=pool.cached_blocks(),
                 candidates=tuple(self._facts(s) for s in offered),
                 requester=seq.request_id,
                 swap_free=self.swap_pool.num_free if self.swap_pool is not None else 0,
             )
             plan = check_plan(pressure, self.reclaimer.plan(pressure), self.reclaimer_name)
             if plan.preempt or plan.evict != pressure.cached[: need - pressure.free]:
-                for block in plan.evict:  # else: exactly what allocate() evicts itself, in the pool's order
-                    self._evict(block)
+                pool.evict(plan.evict)  # else: exactly what allocate() evicts itself, in the pool's order
             by_id = {s.request_id: s for s in offered}
             for p in plan.preempt:
                 self._preempt(by_id[p.request_id], p.mode, out)
@@ -329,12 +345,7 @@ class Scheduler:
                 return None
             if need > pool.num_free:
                 return None
-        blocks = pool.allocate(need)
-        if blocks is None:  # a plugin's pool may hold back more than num_free says
-            return None
-        for b in blocks:
-            self._cached.pop(b, None)  # the pool evicted it for us
-        return blocks
+        return pool.allocate(need)  # None: a plugin's pool may hold back more than num_free says
 
     def _facts(self, seq: Request) -> RequestFacts:
         ref = self.pool.ref_count
@@ -346,25 +357,11 @@ class Scheduler:
             num_computed_tokens=seq.num_computed_tokens,
         )
 
-    def _evict(self, block: int) -> None:
-        """Drop the prefix a cached-free block holds, so the next allocation takes it first."""
-        block_hash = self._cached.pop(block)
-        pool = self.pool
-        if pool.lookup(block_hash) != block:  # the pool's books disagree with ours: a contract breach
-            raise MemoryContractError(f"block pool: lookup of cached block {block}'s hash answers another block")
-        pool.copy_on_write(block)  # the only holder: forgets the hash
-        pool.free([block])
-
     def _release(self, seq: Request) -> None:
         """Free ``seq``'s device blocks, tail first (so its prefix outlives its tail in the cache)."""
-        table, hashes = seq.block_table, seq.block_hashes
-        if not table:
+        if not seq.block_table:
             return
-        self.pool.free(table[::-1])
-        for i in range(len(table) - 1, -1, -1):
-            if i < seq.num_registered_blocks and self.pool.is_cached(table[i]):
-                self._cached[table[i]] = hashes[i]
-                self._cached.move_to_end(table[i])
+        self.pool.free(seq.block_table[::-1])
         seq.block_table = []
         seq.num_registered_blocks = 0
 
@@ -441,7 +438,6 @@ class Scheduler:
             block = self.pool.lookup(self._hash(seq, i))
             if block is None:
                 break
-            self._cached.pop(block, None)
             hits.append(block)
         return hits
 

@@ -66,9 +66,12 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Text of a request's output, token by token, and its stop strings.
 
+    The scheduler feeds it each output token (:meth:`feed`: it is the request's
+    :class:`~vllm_port.engine.request.StopMatcher`); the engine takes the text now final (:meth:`take`).
+
     :param prompt_token_ids: the prompt; its last tokens give the first output token its context.
     :param stop: strings that end the output; text that could still become one is held back
-        from :meth:`add`'s answer until it cannot (or until :meth:`flush`).
+        from :meth:`take`'s answer until it cannot (or until :meth:`flush`).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
@@ -82,15 +85,18 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of ``text`` handed out by add()
         self.stopped = False
 
-    def add(self, token_id: int) -> str:
-        """Decode one more output token; return the text that is now final (may be empty).
+    def feed(self, token_id: int) -> bool:
+        """Decode one more output token; whether a stop string has appeared (:attr:`stopped`).
 
-        Sets :attr:`stopped` when a stop string appears; the text ends before it.
+        The text then ends before the stop string, and later tokens add nothing.
         """
-        if self.stopped:
-            return ""
-        self._ids.append(token_id)
-        self._append(self._new_text(final=False))
+        if not self.stopped:
+            self._ids.append(token_id)
+            self._append(self._new_text(final=False))
+        return self.stopped
+
+    def take(self) -> str:
+        """The text that became final since the last :meth:`take` (may be empty)."""
         return self._take(final=self.stopped)
 
     def flush(self) -> str:

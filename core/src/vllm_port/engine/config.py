@@ -1,0 +1,122 @@
+"""``EngineConfig``: every argument of ``LLM(...)`` as one value that checks itself (device-free, no torch import).
+
+``LLM(model, max_num_seqs=...)`` makes one from its arguments; a caller that holds its settings as
+data (a server, a CLI) makes one itself and builds the engine from it, with the same refusals, by
+the same names, before any platform or model loads::
+
+    config = EngineConfig(model="path/to/model", max_num_seqs=64)
+    llm = LLM.from_config(config)          # what LLM(model="path/to/model", max_num_seqs=64) builds
+    smaller = dataclasses.replace(config, max_num_seqs=8)   # checked again
+
+What needs the platform or the model (the default block size, the dtype ``"auto"`` stands for,
+``max_model_len`` against the model's ``max_position_embeddings``) is checked where those load.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..runtime import Runtime
+    from .runner import ModelRunner, StepFunction
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings, as ``LLM``'s arguments of the same names (see :class:`~vllm_port.engine.LLM`).
+
+    The four modes are told apart by the fields: plain (a model directory, or ``None`` for the
+    bundled model), imported (``importer``, or ``model`` a ``transformers`` module), placed
+    (``placement``/``devices``) and tensor-parallel (``tensor_parallel_size > 1``).
+
+    :raises ValueError: for a field of the wrong type or range, or fields that no mode combines,
+        naming the field and what it must be (``LLM(max_num_seqs=0): max_num_seqs is 0; it must
+        be an int >= 1 ...``).
+    """
+
+    model: str | os.PathLike[str] | torch.nn.Module | None = None
+    device: str | Runtime = "auto"
+    dtype: str | torch.dtype = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    kv_cache_memory: float | int | None = None
+    block_size: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    swap_space: int | None = None
+    seed: int | None = None
+    plugins: str | None = None
+    make_step: Callable[[ModelRunner], StepFunction] | None = None
+    enforce_eager: bool = False
+    importer: str | None = None
+    placement: Any = None
+    devices: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        # the cheap checks, all before anything loads: importing moves, casts and traces the user's module
+        if self.imports and self.places:
+            raise ValueError(
+                "placement of imported models is not supported yet: an imported model (importer= or a transformers "
+                "module) runs on one platform; drop placement/devices, or place the core model definitions "
+                "(importer=None)"
+            )
+        for name, (accepts, expected) in _RULES.items():
+            value = getattr(self, name)
+            if not accepts(value):
+                raise ValueError(f"LLM({name}={value!r:.80}): {name} is {value!r:.80}; it must be {expected}")
+        if self.places and self.tensor_parallel_size != 1:
+            raise ValueError("placement runs the model in this process; use tensor_parallel_size=1 with placement")
+        if self.block_size is not None and not (_is_int(self.block_size) and self.block_size >= 1):
+            raise ValueError(
+                f"block_size is {self.block_size!r}; it must be a positive int (tokens per KV-cache block)"
+            )
+        if self.make_step is not None and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "make_step runs in this process; with tensor_parallel_size > 1 the ranks run the eager step"
+            )
+
+    @property
+    def imports(self) -> bool:
+        """The model comes through an importer: ``importer`` is set, or ``model`` is a ``torch.nn.Module``."""
+        torch = sys.modules.get("torch")  # a module object cannot exist before torch is imported
+        return self.importer is not None or (torch is not None and isinstance(self.model, torch.nn.Module))
+
+    @property
+    def places(self) -> bool:
+        """The model's parts run on several platforms (``placement`` or ``devices`` is given)."""
+        return self.placement is not None or self.devices is not None
+
+    def as_arguments(self) -> dict[str, Any]:
+        """The fields by name, as ``LLM(**config.as_arguments())`` takes them (values as they are, not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: Each checked field, what it accepts and what it must be, in the order they are checked.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tensor_parallel_size": (lambda v: _is_int(v) and v >= 1, "an int >= 1 (devices to shard the model over)"),
+    "max_model_len": (lambda v: v is None or (_is_int(v) and v >= 2), "None or an int >= 2 (prompt and output)"),
+    "kv_cache_memory": (
+        lambda v: v is None or (_is_int(v) and v >= 1) or (isinstance(v, float) and 0.0 < v <= 1.0),
+        "None (the platform's default), a fraction in (0, 1] of the free device memory, or an int of bytes >= 1",
+    ),
+    "max_num_seqs": (lambda v: _is_int(v) and v >= 1, "an int >= 1 (the most requests running at once)"),
+    "max_num_batched_tokens": (lambda v: _is_int(v) and v >= 1, "an int >= 1 (tokens one step may run)"),
+    "enable_prefix_caching": (lambda v: isinstance(v, bool), "True or False"),
+    "swap_space": (lambda v: v is None or (_is_int(v) and v >= 0), "None or an int of bytes >= 0 (0: no swap)"),
+    "seed": (lambda v: v is None or _is_int(v), "None or an int"),
+    "plugins": (lambda v: v is None or isinstance(v, str), "None or an allow/deny list such as 'cpu' or '-rocm'"),
+    "enforce_eager": (lambda v: isinstance(v, bool), "True or False"),
+}
