@@ -208,3 +208,32 @@ def test_certify_a_plugin_list_is_an_unknown_plugin(capsys: pytest.CaptureFixtur
     pytest.importorskip("vllm_port_conformance")
     assert main(["certify", "cpu,cuda"]) == 2  # one plugin is certified at a time; a filter is not a name
     assert "unknown plugin 'cpu,cuda'" in capsys.readouterr().err
+
+
+#: A placement policy whose one rule names a platform that no plugin has.
+POLICY_NAMING_NOSUCH = '[[rules]]\nlabel = "mlp elsewhere"\nplatform = "nosuch"\npart = "mlp"\n'
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ([], "the placement policy's platform='nosuch' names no installed platform"),
+        (["--devices", "cpu,nosuch2"], "devices='nosuch2' names no installed platform"),
+        (["--device", "nosuch3"], "--device='nosuch3' names no installed platform"),
+    ],
+)
+def test_inspect_a_placement_names_who_named_the_unknown_platform(
+    extra: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_port.data import bundled_model_dir
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY_NAMING_NOSUCH)
+    assert main(["inspect", str(bundled_model_dir()), "--placement", str(policy), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {said}; platforms: cpu")
+
+
+def test_bench_placement_names_the_host_flag_of_an_unknown_platform(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "placement", "--host", "nosuch", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: --host='nosuch' names no installed platform; platforms: cpu")

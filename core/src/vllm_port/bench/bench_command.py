@@ -1,12 +1,14 @@
 """``vllm-port bench KIND``: the benchmarks, one subcommand each, declared here and run by their own modules.
 
 Each kind is a row of :data:`KINDS`: its one-line help, its options and its run function, which
-imports the benchmark's module (and torch) only when that benchmark runs.
+imports the benchmark's module (and torch) only when that benchmark runs. Exit status: the
+benchmark's, or 2 when it cannot run here (an unknown or unavailable platform, said in one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,8 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark ``args.kind`` with parsed ``args``; return the exit status."""
-    return KINDS[args.kind].run(args)
+    """Run the benchmark ``args.kind`` with parsed ``args``; return the exit status (2 when it cannot run here)."""
+    from ..errors import VllmPortError
+
+    try:
+        return KINDS[args.kind].run(args)
+    except VllmPortError as exc:  # an unknown or unavailable platform, a model that cannot load: said, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _dispatch_arguments(parser: argparse.ArgumentParser) -> None:

@@ -140,7 +140,7 @@ def run(
     w = replace(SHAPES[shape], prompt_len=prompt_len, output_len=output_len, num_requests=max(batches))
     if layers is not None:
         w = replace(w, num_layers=layers)
-    platforms = load_many([device, host])
+    platforms = load_many([device, host], sources={host: "--host"} if host != device else None)
     if len(platforms) < 2:
         raise ValueError(f"--device {device!r} and --host {host!r} are one platform; name two platforms")
     device_name = platforms.default.platform.name
