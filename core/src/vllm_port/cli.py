@@ -21,7 +21,8 @@ from typing import NoReturn
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-#: ``vllm-port NAME`` -> the module that declares and runs it, in the order ``vllm-port --help`` lists them.
+#: ``vllm-port NAME`` -> the module that declares and runs it, in the order ``vllm-port --help`` lists them;
+#: each is imported by :func:`build_parser`, none by importing this module.
 COMMANDS: dict[str, str] = {
     "doctor": "vllm_port.doctor_command",
     "certify": "vllm_port.certify_command",
