@@ -430,6 +430,22 @@ def _run_suite(
     return data["tests"], proc.returncode, cmd
 
 
+def _check_installed(plugin: str) -> None:
+    """Refuse a ``plugin`` that names no installed plugin, listing those that are.
+
+    :raises vllm_port.errors.SelectionError: naming ``plugin`` and the installed plugins.
+    """
+    from vllm_port.api import ENTRY_POINT_GROUP
+    from vllm_port.errors import SelectionError
+
+    installed = sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)})
+    if plugin not in installed:
+        raise SelectionError(
+            f"unknown plugin {plugin!r} (the plugin to certify): no installed plugin is called that; installed "
+            f"plugins: {', '.join(installed) or 'none'}. Name one of them, or pip install the plugin's distribution"
+        )
+
+
 def certify(
     plugin: str, waivers_file: Path | None = None, argv: list[str] | None = None, devices: int | None = None
 ) -> dict[str, Any]:
@@ -441,6 +457,7 @@ def certify(
     """
     from vllm_port.discovery import discover
 
+    _check_installed(plugin)
     start = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     found = discover(plugins=plugin)
@@ -711,8 +728,8 @@ def main(
         argv += ["--devices", str(devices)] if devices is not None else []
         argv += ["--json"] if as_json else []
         report = certify(plugin, Path(waivers) if waivers else None, argv, devices)
-    except SelectionError as exc:
-        print(f"error: unknown plugin {plugin!r}: {exc}", file=sys.stderr)
+    except SelectionError as exc:  # an unknown PLUGIN, or a VLLM_PORT_* setting discovery refuses: said by exc
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

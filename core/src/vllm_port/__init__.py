@@ -13,16 +13,24 @@ platform; engines run through the bound ops::
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from .api import API_VERSION, ApiRange
 from .errors import ApiVersionError, OpInputError, PluginError, ProviderRejectedError, SelectionError, VllmPortError
 from .hookspecs import hookimpl
 from .platform import DeviceInfo, PlatformDescription, ProbeResult
-from .runtime import Runtime, load
+
+if TYPE_CHECKING:
+    from .runtime import Runtime, load
 
 
 def __getattr__(name: str) -> object:
-    # the engine (models, tokenizers) loads on first use, so `import vllm_port` stays light for plugins
+    # torch, the runtime and the engine load on first use: `import vllm_port` stays light for plugins,
+    # and `vllm-port --help` needs no torch
+    if name in ("Runtime", "load"):
+        from . import runtime
+
+        return getattr(runtime, name)
     if name in ("LLM", "EngineConfig", "SamplingParams"):
         from . import engine
 

@@ -17,9 +17,11 @@ import operator
 import re
 from collections.abc import Callable
 
-__all__ = ["API_VERSION", "ApiRange"]
+__all__ = ["API_VERSION", "ENTRY_POINT_GROUP", "ApiRange"]
 
 API_VERSION = "1.1"
+#: The entry-point group a plugin distribution registers its plugin module under (``[project.entry-points.vllm_port]``).
+ENTRY_POINT_GROUP = "vllm_port"
 
 _CLAUSE = re.compile(r"^\s*(==|!=|>=|<=|>|<)\s*(\d+)(?:\.(\d+))?\s*$")
 _COMPARE: dict[str, Callable[[tuple[int, int], tuple[int, int]], bool]] = {

@@ -1,168 +1,79 @@
-"""The ``vllm-port`` command."""
+"""The ``vllm-port`` command: a table of subcommands, each declared by its own module.
+
+A command module (one row of :data:`COMMANDS`) holds ``HELP`` (its line in ``vllm-port --help``),
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status), and imports nothing heavy at
+module level: what a command needs (torch, models, plugins) is imported by its ``run``, so
+``vllm-port --help``, ``vllm-port CMD --help`` and ``--version`` never import torch. The flags
+commands share are declared once, in :mod:`vllm_port.cli_flags`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import importlib
+import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
+#: ``vllm-port NAME`` -> the module that declares and runs it, in the order ``vllm-port --help`` lists them;
+#: each is imported by :func:`build_parser`, none by importing this module.
+COMMANDS: dict[str, str] = {
+    "doctor": "vllm_port.doctor_command",
+    "certify": "vllm_port.certify_command",
+    "new-plugin": "vllm_port.new_plugin_command",
+    "inspect": "vllm_port.inspect_command",
+    "profile": "vllm_port.profile.profile_command",
+    "check-repro": "vllm_port.replay_command",
+    "generate": "vllm_port.engine.generate_command",
+    "bench": "vllm_port.bench.bench_command",
+}
 
-def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import diagnose, dumps, render
-
-    report = diagnose(plugins=args.plugins, device=args.device)
-    print(dumps(report) if args.json else render(report))
-    if report["selected"] is None:
-        return 2  # nothing to run on: a configuration problem, said in report["error"]
-    return 0 if report["ok"] else 1
-
-
-def _bench_dispatch(args: argparse.Namespace) -> int:
-    from .bench import dispatch
-
-    return dispatch.main(json_path=args.json)
-
-
-def _bench_ops(args: argparse.Namespace) -> int:
-    from .bench import ops
-
-    return ops.main(args.device, args.dtype, args.ops, args.max_tokens, args.json, args.plot, full=args.full)
+#: The exit status after stdout's reader went away (``vllm-port doctor --json | head -1``), as Python's own.
+BROKEN_PIPE = 1
 
 
-def _bench_comm(args: argparse.Namespace) -> int:
-    from .bench import comm
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser that takes no abbreviated flag (``--max-token`` is not ``--max-tokens``).
 
-    return comm.main(json_path=args.json, device=args.device, max_bytes=args.max_bytes)
+    ``add_subparsers`` makes its subparsers of the parent's class, so every command and subcommand
+    parser refuses abbreviations too.
+    """
 
-
-def _bench_pool(args: argparse.Namespace) -> int:
-    from .bench import pool
-
-    return pool.main(json_path=args.json)
-
-
-def _bench_swap(args: argparse.Namespace) -> int:
-    from .bench import swap
-
-    return swap.main(json_path=args.json, device_name=args.device)
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
 
-def _inspect_placement(args: argparse.Namespace) -> int:
-    import torch
-
-    from .errors import VllmPortError
-    from .models import load_config, load_model
-    from .placement import EnginePlacement, PlacedModel
-    from .placement.report import dumps, placement_report, render
-
-    try:
-        devices = [d for d in args.devices.split(",") if d] if args.devices else None
-        engine = EnginePlacement.create(args.placement, devices, args.device or "auto")
-        dtype = load_config(args.model_dir).dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-        model = load_model(args.model_dir, torch.device("cpu"), dtype)  # host memory: weights move from there
-        report = placement_report(PlacedModel(model, engine.policy, engine.platforms, dtype, passes=not args.no_passes))
-    except VllmPortError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(dumps(report) if args.json else render(report, str(args.model_dir)))
-    return 0
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    import torch
-
-    if getattr(args, "placement", None):
-        return _inspect_placement(args)
-
-    if args.import_hf:
-        from .importer.report import inspect_import
-
-        return inspect_import(args)
-
-    from .errors import VllmPortError
-    from .flat.inspect import dumps, inspect_graphs, render
-    from .models import load_config, load_model
-    from .runtime import load
-
-    try:
-        runtime = load(device=args.device)
-        dtype = load_config(args.model_dir).dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-        model = load_model(args.model_dir, runtime.device, dtype)
-        phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
-        report = inspect_graphs(model, runtime, dtype, phases, passes=not args.no_passes)
-    except VllmPortError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(dumps(report) if args.json else render(report, str(args.model_dir), graph_text=args.graph))
-    return 0
-
-
-def _profile(args: argparse.Namespace) -> int:
-    from .profile.profile_command import run
-
-    return run(args)
-
-
-def _bench_model(args: argparse.Namespace) -> int:
-    from .bench import decode_modes
-
-    batches = [int(b) for b in args.batches.split(",")]
-    modes = args.modes.split(",") if args.modes else decode_modes.MODES
-    return decode_modes.main(
-        args.device,
-        args.shape,
-        args.layers,
-        batches,
-        args.context,
-        modes,
-        args.dtype,
-        args.json,
-        args.fast,
-        args.rounds,
-        args.threads,
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``vllm-port``: its own two options, then one subparser per row of :data:`COMMANDS`."""
+    parser = CommandParser(prog="vllm-port", description="The portable hardware layer for LLM inference.")
+    parser.add_argument(
+        "--version", action=_PrintVersion, help="print the versions of core and of every installed plugin, and exit"
     )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="strict mode, as VLLM_PORT_STRICT=1: every fallback (a skipped plugin or provider, the reference in place "
+        "of the platform's kernel, an unknown VLLM_PORT_* setting) is an error; also accepted after the command",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, module_path in COMMANDS.items():
+        add_command(commands, name, importlib.import_module(module_path))
+    return parser
 
 
-def _bench_engine(args: argparse.Namespace) -> int:
-    from .bench import engine
-
-    return engine.main(args)
-
-
-def _bench_placement(args: argparse.Namespace) -> int:
-    from .bench import placement
-
-    return placement.main(args)
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from .engine.generate_command import run
-
-    return run(args)
-
-
-def _certify(args: argparse.Namespace) -> int:
-    try:
-        from vllm_port_conformance import certify
-    except ImportError as exc:
-        print(
-            f"error: vllm-port certify needs the conformance suite ({exc}); "
-            "install it: pip install vllm-port-conformance (in a checkout: pip install -e ./conformance)",
-            file=sys.stderr,
-        )
-        return 2
-    if (args.plugin is None) == (args.verify is None):
-        print("error: give either a PLUGIN to certify or --verify REPORT.json", file=sys.stderr)
-        return 2
-    return certify.main(args.plugin, args.report, args.json, args.waivers, args.verify, devices=args.devices)
-
-
-def _check_repro(args: argparse.Namespace) -> int:
-    from .ops.debug import replay_command
-
-    return replay_command(args.file, args.provider)
+def add_command(commands: argparse._SubParsersAction, name: str, module: ModuleType) -> argparse.ArgumentParser:
+    """Declare ``module``'s command as ``name``: its help line, its arguments, its run function."""
+    parser = commands.add_parser(name, help=module.HELP)
+    module.add_arguments(parser)
+    parser.set_defaults(run=module.run)
+    return parser
 
 
 def version_text() -> str:
@@ -170,8 +81,7 @@ def version_text() -> str:
     from importlib import metadata
 
     from . import __version__
-    from .api import API_VERSION
-    from .discovery import ENTRY_POINT_GROUP
+    from .api import API_VERSION, ENTRY_POINT_GROUP
 
     lines = [f"vllm-port {__version__} (contract API {API_VERSION})"]
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
@@ -217,205 +127,6 @@ def join_dash_values(argv: Sequence[str]) -> list[str]:
     return joined
 
 
-def _new_plugin(args: argparse.Namespace) -> int:
-    from .scaffold import main
-
-    return main(args.name, args.path, args.device_type)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-port", description="The portable hardware layer for LLM inference.")
-    parser.add_argument(
-        "--version", action=_PrintVersion, help="print the versions of core and of every installed plugin, and exit"
-    )
-    parser.add_argument(
-        "--strict",
-        action="store_true",
-        help="strict mode, as VLLM_PORT_STRICT=1: every fallback (a skipped plugin or provider, the reference in place "
-        "of the platform's kernel, an unknown VLLM_PORT_* setting) is an error; also accepted after the command",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    doctor = commands.add_parser("doctor", help="list plugins, the selected platform, bound ops, and smoke-test them")
-    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    doctor.add_argument(
-        "--plugins",
-        default=None,
-        help="plugins to load, e.g. 'cpu,cuda', or deny some: '-rocm,-xpu' (default: $VLLM_PORT_PLUGINS, else all)",
-    )
-    doctor.add_argument(
-        "--device",
-        default=None,
-        help="platform to select, e.g. 'cpu' (default: $VLLM_PORT_DEVICE, else the best available)",
-    )
-    doctor.set_defaults(run=_doctor)
-
-    certify = commands.add_parser(
-        "certify", help="run the conformance suite on a plugin and write a verifiable certification report"
-    )
-    certify.add_argument("plugin", nargs="?", default=None, help="installed plugin to certify, e.g. cpu")
-    certify.add_argument("--report", default=None, metavar="DIR", help="write DIR/report.json and DIR/report.md")
-    certify.add_argument("--json", action="store_true", help="print the report as JSON")
-    certify.add_argument(
-        "--waivers",
-        default=None,
-        metavar="FILE",
-        help="TOML waiver file (default: the suite's own, vllm_port_conformance/waivers.toml)",
-    )
-    certify.add_argument("--verify", default=None, metavar="REPORT", help="check a report.json's digest and contents")
-    certify.add_argument(
-        "--devices",
-        type=int,
-        default=None,
-        metavar="N",
-        help="certify for N devices: checks that need more are out of the report's scope (default: every one found)",
-    )
-    certify.set_defaults(run=_certify)
-
-    new_plugin = commands.add_parser(
-        "new-plugin", help="generate a vendor plugin package that certifies on a device torch knows, then make it yours"
-    )
-    new_plugin.add_argument("name", help="the plugin's name: lowercase words joined by '_', e.g. mychip")
-    new_plugin.add_argument(
-        "--path", default=None, metavar="DIR", help="the package's folder (default ./vllm-port-NAME)"
-    )
-    new_plugin.add_argument(
-        "--device-type",
-        default="cpu",
-        metavar="TYPE",
-        help="the torch device type it runs on until yours: cpu (default), cuda, xpu...",
-    )
-    new_plugin.set_defaults(run=_new_plugin)
-
-    inspect = commands.add_parser(
-        "inspect", help="a model's flat graph: each node's op, bound provider, shapes, layer; fusions fired"
-    )
-    inspect.add_argument("model_dir", help="a Hugging Face model directory (config.json + safetensors)")
-    inspect.add_argument("--device", default=None, help="platform to bind for (default: the selected one)")
-    inspect.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="default: the checkpoint's"
-    )
-    inspect.add_argument("--phase", default="both", choices=["both", "decode", "prefill"], help="graphs to show")
-    inspect.add_argument("--graph", action="store_true", help="print each graph's stable text form, not a table")
-    inspect.add_argument("--no-passes", action="store_true", help="the graph as traced, before fusion passes")
-    inspect.add_argument("--json", action="store_true", help="print one JSON object (the decode graph at the top)")
-    inspect.add_argument(
-        "--placement",
-        default=None,
-        metavar="FILE",
-        help="a placement policy (.toml/.json): where each node runs, "
-        "what crosses between platforms (docs/placement.md)",
-    )
-    inspect.add_argument(
-        "--devices",
-        default=None,
-        metavar="LIST",
-        help="with --placement: platforms to load, the engine's first "
-        "(default: --device and the platforms the policy names)",
-    )
-    inspect.add_argument(
-        "--import",
-        dest="import_hf",
-        action="store_true",
-        help="load the model with transformers and import it: which subgraphs became which contract op, what stays native",
-    )
-    inspect.set_defaults(run=_inspect)
-
-    profile = commands.add_parser(
-        "profile",
-        help="time every node of a decode and a prefill step by stack layer, op and provider; --baseline for CI",
-    )
-    from .profile.profile_command import add_arguments as add_profile_arguments  # light: no model code loads
-
-    add_profile_arguments(profile)
-    profile.set_defaults(run=_profile)
-
-    check_repro = commands.add_parser(
-        "check-repro",
-        help="replay a reproducer that debug mode (VLLM_PORT_CHECK) wrote: the call, against the reference",
-    )
-    check_repro.add_argument("file", help="the reproducer's .json file")
-    check_repro.add_argument("--provider", default=None, help="run this provider instead of the one it names")
-    check_repro.set_defaults(run=_check_repro)
-
-    generate = commands.add_parser("generate", help="generate text with the engine (default: the bundled model)")
-    from .engine.generate_command import add_arguments as add_generate_arguments  # light: no model code loads
-
-    add_generate_arguments(generate)
-    generate.set_defaults(run=_generate)
-
-    bench = commands.add_parser("bench", help="benchmarks (not tests): see docs/results/")
-    bench_kinds = bench.add_subparsers(dest="kind", required=True)
-    dispatch = bench_kinds.add_parser("dispatch", help="overhead of calling a bound op on CPU")
-    dispatch.add_argument("--json", default=None, help="also write the results to this JSON file")
-    dispatch.set_defaults(run=_bench_dispatch)
-    ops = bench_kinds.add_parser(
-        "ops", help="every provider of every op against eager, Inductor and the device's ceilings"
-    )
-    ops.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
-    ops.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ops.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
-    ops.add_argument("--max-tokens", type=int, default=32768, help="skip token counts above this")
-    ops.add_argument(
-        "--full",
-        action="store_true",
-        help="on a CPU, time every size (up to 32k tokens: many minutes, ~15 GB); by default CPU runs stop at "
-        "sizes that finish in minutes within a few GB",
-    )
-    ops.add_argument("--json", default=None, help="write the results to this JSON file")
-    ops.add_argument("--plot", default=None, help="draw fraction-of-ceiling vs tokens to this PNG file")
-    ops.set_defaults(run=_bench_ops)
-    pool = bench_kinds.add_parser("pool", help="KV block pool ops per second and usable KV capacity")
-    pool.add_argument("--json", default=None, help="also write the results to this JSON file")
-    pool.set_defaults(run=_bench_pool)
-    swap = bench_kinds.add_parser(
-        "swap", help="migrator swap bandwidth device <-> pinned host vs a plain pinned copy_ (needs a GPU)"
-    )
-    swap.add_argument("--json", default=None, help="also write the results to this JSON file")
-    swap.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
-    swap.set_defaults(run=_bench_swap)
-    comm = bench_kinds.add_parser(
-        "comm", help="all_reduce bus bandwidth through the comm contract against torch.distributed, 2 ranks"
-    )
-    comm.add_argument("--json", default=None, help="also write the results to this JSON file")
-    comm.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
-    comm.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message in bytes (default 64 MB)")
-    comm.set_defaults(run=_bench_comm)
-    bench_model = bench_kinds.add_parser(
-        "model",
-        help="decode-step time of a Llama-shaped model: eager, compiled, graph-captured, beside transformers",
-    )
-    bench_model.add_argument("--device", default=None, help="platform to run on (default: the selected one)")
-    bench_model.add_argument(
-        "--shape", default="auto", choices=["auto", "llama3-8b", "small"], help="auto: llama3-8b on a GPU, small on CPU"
-    )
-    bench_model.add_argument("--layers", type=int, default=None, help="fewer layers of the shape (default: all)")
-    bench_model.add_argument("--batches", default="1,64", help="comma-separated batch sizes (default 1,64)")
-    bench_model.add_argument("--context", type=int, default=1024, help="tokens in each sequence's cache (default 1024)")
-    bench_model.add_argument("--modes", default=None, help="comma-separated modes (default: all)")
-    bench_model.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    bench_model.add_argument("--fast", action="store_true", help="fewer timing repeats (a smoke run)")
-    bench_model.add_argument("--rounds", type=int, default=5, help="timing rounds over all modes (default 5)")
-    bench_model.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    bench_model.add_argument("--json", default=None, help="write the results to this JSON file")
-    bench_model.set_defaults(run=_bench_model)
-    bench_engine = bench_kinds.add_parser(
-        "engine", help="offline throughput of LLM.generate beside transformers and vLLM on one workload"
-    )
-    from .bench.engine import add_arguments as add_engine_arguments  # light: torch only
-
-    add_engine_arguments(bench_engine)
-    bench_engine.set_defaults(run=_bench_engine)
-    bench_placement = bench_kinds.add_parser(
-        "placement", help="decode tok/s with the MLPs or LM head on the host under a device budget, vs all on the host"
-    )
-    from .bench.placement import add_arguments as add_placement_arguments  # light: torch only
-
-    add_placement_arguments(bench_placement)
-    bench_placement.set_defaults(run=_bench_placement)
-    return parser
-
-
 def take_strict(argv: Sequence[str]) -> tuple[list[str], bool]:
     """``argv`` without ``--strict`` (before a ``--``, wherever it stands), and whether it was there."""
     rest, strict = [], False
@@ -430,9 +141,23 @@ def take_strict(argv: Sequence[str]) -> tuple[list[str], bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (130 after Ctrl-C)."""
-    argv, strict = take_strict(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(join_dash_values(argv))
+    """Run the command line; return the exit status (130 after Ctrl-C, 1 when stdout's reader went away)."""
+    try:
+        try:
+            return _main(sys.argv[1:] if argv is None else argv)
+        finally:
+            sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe could not be handled
+    except BrokenPipeError:  # `vllm-port doctor --json | head -1`: the reader has what it wanted
+        _discard_stdout()
+        return BROKEN_PIPE
+
+
+def _main(argv: Sequence[str]) -> int:
+    argv, strict = take_strict(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(join_dash_values(argv))
+    if unknown:
+        _refuse_unknown(parser, args, unknown)
     try:
         return _run_command(args, strict)
     except KeyboardInterrupt:  # Ctrl-C outside what a command handles itself: one line, no traceback
@@ -442,8 +167,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_command(args: argparse.Namespace, strict: bool) -> int:
     """Run the parsed command, in strict mode when ``strict`` (for the command and what it starts)."""
-    import os
-
     from .faults import STRICT_ENV
 
     if not strict:
@@ -457,6 +180,46 @@ def _run_command(args: argparse.Namespace, strict: bool) -> int:
             os.environ.pop(STRICT_ENV, None)
         else:
             os.environ[STRICT_ENV] = before
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> NoReturn:
+    """Exit 2 with the usage of the command that was given ``unknown``, and the flag each unknown one may mean."""
+    command = _command_parser(parser, args)
+    flags = [flag for action in command._actions for flag in action.option_strings if flag.startswith("--")]
+    hints = [
+        f"{given}: did you mean {' or '.join(meant)}?"
+        for given in (arg.partition("=")[0] for arg in unknown if arg.startswith("--"))
+        if (meant := _meant(given, flags))
+    ]
+    hint = f" ({' '.join(hints)} Flags are never abbreviated)" if hints else ""
+    command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
+def _meant(given: str, flags: list[str]) -> list[str]:
+    """The flags ``given`` may abbreviate, else the one it is closest to (a typo), else none."""
+    return [f for f in flags if f.startswith(given)] or difflib.get_close_matches(given, flags, n=1)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command ``args`` names: ``vllm-port bench engine ...`` -> bench engine's."""
+    while True:  # argparse keeps a parser's subcommands in its one _SubParsersAction
+        subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subcommands[0].dest, None) if subcommands else None
+        if chosen is None:
+            return parser
+        parser = subcommands[0].choices[chosen]
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's last flush at exit finds no closed pipe.
+
+    What Python's documentation recommends for SIGPIPE (the ``signal`` module's note on it); a
+    stdout without a file descriptor (captured by a test) is left alone.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":

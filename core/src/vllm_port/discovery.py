@@ -26,7 +26,7 @@ from typing import Any
 import pluggy
 
 from . import _defaults, hookspecs
-from .api import API_VERSION, ApiRange
+from .api import API_VERSION, ENTRY_POINT_GROUP, ApiRange
 from .errors import ApiVersionError, PluginError, ProviderRejectedError, SelectionError, StrictModeError
 from .faults import (
     SETTINGS,
@@ -54,7 +54,6 @@ __all__ = [
     "probe_timeout",
 ]
 
-ENTRY_POINT_GROUP = "vllm_port"
 CORE_PLUGIN = "vllm-port"
 PLUGINS_ENV = "VLLM_PORT_PLUGINS"
 PROBE_TIMEOUT_ENV = "VLLM_PORT_PROBE_TIMEOUT"

@@ -39,14 +39,16 @@ DEVICE_ENV = "VLLM_PORT_DEVICE"
 PROVIDERS_ENV = "VLLM_PORT_OP_PROVIDERS"
 
 
-def select(discovery: Discovery, device: str | None = None) -> tuple[PluginRecord, str]:
+def select(discovery: Discovery, device: str | None = None, source: str | None = None) -> tuple[PluginRecord, str]:
     """Pick the platform to run on and say why.
 
     :param device: a platform name; ``VLLM_PORT_DEVICE`` is read when ``None``; otherwise the
         available platform of highest priority wins.
+    :param source: who named ``device``, as the errors and the reason say it (default ``--device``,
+        or ``VLLM_PORT_DEVICE`` when read from there).
     :raises SelectionError: when the named platform is unknown or unavailable, or none is available.
     """
-    source = "--device" if device is not None else DEVICE_ENV
+    source = source or ("--device" if device is not None else DEVICE_ENV)
     device = device if device is not None else (os.environ.get(DEVICE_ENV) or None)
     platforms = discovery.platforms()
     summary = "; ".join(f"{r.name}: {r.reason}" for r in discovery.plugins) or "no plugin is installed"

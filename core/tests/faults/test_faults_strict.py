@@ -7,7 +7,7 @@ import torch
 from plugin_factory import healthy
 
 import vllm_port
-from vllm_port import cli
+from vllm_port import cli, doctor_command
 from vllm_port.discovery import discover
 from vllm_port.errors import ProviderError, SelectionError, StrictModeError
 from vllm_port.faults import strict_mode, unknown_settings
@@ -148,7 +148,7 @@ def test_strict_flag_goes_anywhere_before_a_double_dash_and_only_for_the_command
         seen["strict"] = os.environ.get("VLLM_PORT_STRICT")
         return 0
 
-    monkeypatch.setattr(cli, "_doctor", fake_doctor)
+    monkeypatch.setattr(doctor_command, "run", fake_doctor)  # the table takes each command's run when it parses
     assert cli.main(["doctor", "--strict"]) == 0
     assert seen["strict"] == "1"
     import os

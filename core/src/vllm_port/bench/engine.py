@@ -486,36 +486,3 @@ def main(args: Any) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-def add_arguments(parser: Any) -> None:
-    """The flags of ``vllm-port bench engine``."""
-    parser.add_argument("--model", default=None, help="a saved Llama directory (default: build a random one)")
-    parser.add_argument("--h200", action="store_true", help="issue 13's H200 workload (Llama-3-8B shape, bf16)")
-    parser.add_argument("--device", default=None, help="platform for the engine (default: the selected one)")
-    parser.add_argument("--hidden-size", type=int, default=None)
-    parser.add_argument("--intermediate-size", type=int, default=None)
-    parser.add_argument("--layers", dest="num_layers", type=int, default=None, help="decoder layers")
-    parser.add_argument("--heads", dest="num_heads", type=int, default=None)
-    parser.add_argument("--kv-heads", dest="num_kv_heads", type=int, default=None)
-    parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--num-requests", type=int, default=None, help="requests (CPU 64, H200 256)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (CPU 128, H200 512)")
-    parser.add_argument("--output-len", type=int, default=None, help="output tokens (CPU 128, H200 256)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--decode-batches", default=None, help="comma-separated decode batch sizes (H200: 1,64)")
-    parser.add_argument("--systems", default="engine,transformers,vllm", help="which to run (comma-separated)")
-    parser.add_argument("--step", default="eager", choices=["eager", "flat"], help="the engine's step function")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="the engine replays no captured graphs (default: it does where it can)",
-    )
-    parser.add_argument(
-        "--save-model", default=None, help="build the random model into this directory, or reuse the one there"
-    )
-    parser.add_argument("--vllm-python", default=None, help="the python of a vLLM venv (dev/setup-vllm-peer)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for this process")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")

@@ -225,7 +225,9 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_port.bench.importer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_port.bench.importer", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--h200", action="store_true", help="Llama-3-8B's shape in bf16 (the GPU workload)")
     shape.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")

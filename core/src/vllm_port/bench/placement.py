@@ -33,7 +33,7 @@ import torch
 from ._decode import decode_rate, time_decode, warm_up
 from .engine import CPU_WORKLOAD, H200_WORKLOAD, Workload, build_model
 
-__all__ = ["SHAPES", "add_arguments", "main", "run"]
+__all__ = ["SHAPES", "main", "run"]
 
 SHAPES: dict[str, Workload] = {
     "llama3-8b": replace(H200_WORKLOAD, max_position_embeddings=2048),
@@ -140,7 +140,7 @@ def run(
     w = replace(SHAPES[shape], prompt_len=prompt_len, output_len=output_len, num_requests=max(batches))
     if layers is not None:
         w = replace(w, num_layers=layers)
-    platforms = load_many([device, host])
+    platforms = load_many([device, host], sources={host: "--host"} if host != device else None)
     if len(platforms) < 2:
         raise ValueError(f"--device {device!r} and --host {host!r} are one platform; name two platforms")
     device_name = platforms.default.platform.name
@@ -243,26 +243,6 @@ def render(result: dict[str, Any]) -> str:
             "(its KV cache held fewer): its step time is not the batch's"
         )
     return "\n".join(lines)
-
-
-def add_arguments(parser: Any) -> None:
-    parser.add_argument("--model", default=None, help="a model directory (default: build a random one of --shape)")
-    parser.add_argument("--save-model", default=None, help="build the random model here, or reuse the one there")
-    parser.add_argument(
-        "--shape", default="tiny", choices=sorted(SHAPES), help="the random model's shape (default tiny)"
-    )
-    parser.add_argument("--layers", type=int, default=None, help="fewer layers of the shape")
-    parser.add_argument("--device", default="auto", help="the device platform (default: the best available)")
-    parser.add_argument("--host", default="cpu", help="the platform the placed parts run on (default cpu)")
-    parser.add_argument("--place", default="mlp", help="parts on the host: mlp, lm_head or mlp,lm_head (default mlp)")
-    parser.add_argument("--device-budget", type=float, default=None, metavar="GIB", help="the device's memory budget")
-    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="runs per batch size after the first, the median reported (default 3)"
-    )
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
 def main(args: Any) -> int:

@@ -16,9 +16,12 @@ import sys
 import time
 from typing import Any, TextIO
 
+from ..cli_flags import add_device_flag, add_json_flag, add_model_dtype_flag
 from ..errors import VllmPortError
 
-__all__ = ["DEFAULT_PROMPT", "INTERRUPTED", "run"]
+__all__ = ["DEFAULT_PROMPT", "HELP", "INTERRUPTED", "add_arguments", "run"]
+
+HELP = "generate text with the engine (default: the bundled model)"
 
 #: What ``generate`` continues when given no prompt.
 DEFAULT_PROMPT = "Once upon a time"
@@ -203,10 +206,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=-1, metavar="K", help="keep the K likeliest tokens (-1: all)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0: reproducible)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
-    parser.add_argument(
-        "--device", default=None, metavar="NAME", help="platform to run on (default: the best available)"
-    )
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="default: the checkpoint's"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object with outputs, platform, providers")
+    add_device_flag(parser, "platform to run on (default: the best available)", metavar="NAME")
+    add_model_dtype_flag(parser)
+    add_json_flag(parser, "print one JSON object with outputs, platform, providers")

@@ -3,7 +3,7 @@
 :func:`inspect_graphs` traces a loaded model on a runtime, runs the fusion passes (core's and the
 plugins') and reports each phase's nodes, the counts of contract and native nodes, and the times
 each fusion fired; :func:`render` prints it as a table (or the graph's stable text form).
-The command (``cli.py``) loads the model; this module never reads a model directory itself.
+The command (``inspect_command.py``) loads the model; this module never reads a model directory itself.
 """
 
 from __future__ import annotations

@@ -39,6 +39,8 @@ __all__ = ["EnginePlacement", "PlacedKVCache", "PlacedModel"]
 
 #: The LM head's node name.
 LM_HEAD = "lm_head"
+#: How an error names a platform that a placement policy's rule names (``platform = "..."`` in its file).
+POLICY_PLATFORM = "the placement policy's platform"
 
 
 class _HeadNode:
@@ -322,13 +324,17 @@ class EnginePlacement:
         """Load the platforms: ``devices`` when given (the first is the engine's), else ``device`` and every
         platform the policy names."""
         policy = load_policy(placement)
+        # who named each platform, as an error about it says: the devices given, else the policy (and device)
+        sources = dict.fromkeys(devices or policy.platforms(), "devices" if devices else POLICY_PLATFORM)
         if isinstance(device, Runtime):
             others = [p for p in (devices or policy.platforms()) if p != device.platform.name]
-            loaded = [device, *(load_many(others, plugins).values() if others else [])]
+            loaded = [device, *(load_many(others, plugins, sources=sources).values() if others else [])]
             return cls(policy, Platforms(loaded), budgets=budgets)
         names = list(devices) if devices else [device or "auto", *policy.platforms()]
         unique = [n for i, n in enumerate(names) if n not in names[:i]]
-        return cls(policy, load_many(unique, plugins), budgets=budgets)
+        if not devices:
+            sources.pop(device or "auto", None)  # named by device too: the error says --device, as ever
+        return cls(policy, load_many(unique, plugins, sources=sources), budgets=budgets)
 
     def prepare(self, model: Any, dtype: torch.dtype, block_size: int, max_positions: int | None = None) -> Any:
         """The model (loaded from a directory into host memory when it is one, its rotary table for

@@ -155,12 +155,19 @@ class Platforms(Mapping[str, Runtime]):
         return found
 
 
-def load_many(devices: Sequence[str], plugins: str | None = None, probe_timeout_s: float | None = None) -> Platforms:
+def load_many(
+    devices: Sequence[str],
+    plugins: str | None = None,
+    probe_timeout_s: float | None = None,
+    sources: Mapping[str, str] | None = None,
+) -> Platforms:
     """Discover installed plugins once and select each platform of ``devices`` (the first is the default).
 
     :param devices: platform names, e.g. ``["cuda", "cpu"]``; ``"auto"`` is the best available platform
         (loaded once when it is also named).
     :param plugins: allow/deny list, as ``VLLM_PORT_PLUGINS``.
+    :param sources: who named each platform (``{"cuda": "the placement policy's platform"}``), as its
+        error says it; ``--device`` for one not in it.
     :raises SelectionError: for an empty list, a name listed twice, or a platform unknown or unavailable here.
     """
     if isinstance(devices, str) or not devices:
@@ -168,7 +175,7 @@ def load_many(devices: Sequence[str], plugins: str | None = None, probe_timeout_
     discovery = discover(plugins, probe_timeout_s=probe_timeout_s)
     runtimes: list[Runtime] = []
     for name in devices:
-        selected, reason = select(discovery, None if name == "auto" else name)
+        selected, reason = select(discovery, None if name == "auto" else name, (sources or {}).get(name))
         chosen = selected.description.name if selected.description else name
         if name == "auto" and (chosen in devices or any(r.platform.name == chosen for r in runtimes)):
             continue  # "auto" picked a platform that is also named: load it once, where it is named

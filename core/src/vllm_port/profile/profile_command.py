@@ -13,10 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..cli_flags import add_device_flag, add_json_file_flag, add_model_dtype_flag
 from ..errors import VllmPortError
 from .schema import DEFAULT_MIN_SHARE_PCT, DEFAULT_THRESHOLD_PCT, IMPORTERS, PHASES
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "time every node of a decode and a prefill step by stack layer, op and provider; --baseline for CI"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL_DIR",
         help="Hugging Face model directory (default: the bundled model)",
     )
-    parser.add_argument(
-        "--device", default=None, metavar="NAME", help="platform to run on (default: the best available)"
-    )
+    add_device_flag(parser, "platform to run on (default: the best available)", metavar="NAME")
     parser.add_argument(
         "--importer",
         default=None,
@@ -46,9 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="L",
         help="tokens per sequence: prefilled, or in the cache when decoding (default 256)",
     )
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="default: the checkpoint's"
-    )
+    add_model_dtype_flag(parser)
     parser.add_argument("--phase", default="both", choices=["both", *PHASES], help="steps to profile (default both)")
     parser.add_argument(
         "--repeats",
@@ -67,9 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="also compile each step and report compile time, graph breaks"
     )
-    parser.add_argument(
-        "--json", default=None, metavar="F", help="write the profile (and any comparison) to this JSON file"
-    )
+    add_json_file_flag(parser, "write the profile (and any comparison) to this JSON file", metavar="F")
     parser.add_argument(
         "--baseline", default=None, metavar="F", help="a previous --json to compare against: exit 1 on regression"
     )
