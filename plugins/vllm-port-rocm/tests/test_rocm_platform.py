@@ -18,8 +18,8 @@ import torch
 
 from vllm_port import PlatformDescription
 from vllm_port.platform import validate_description, validate_probe
+from vllm_port.plugin_kit import DeviceAllocator
 from vllm_port_rocm import plugin
-from vllm_port_rocm.memory import RocmAllocator
 from vllm_port_rocm.platform import (
     KfdGpu,
     arch_capabilities,
@@ -255,7 +255,7 @@ def test_probe_without_visible_gpu_says_what_to_check(hip_torch: pytest.MonkeyPa
 def test_allocator_only_for_the_rocm_platform() -> None:
     before = torch.cuda.is_initialized()
     allocator = plugin.vllm_port_allocator(describe())
-    assert isinstance(allocator, RocmAllocator)
-    assert allocator.device.type == "cuda"
+    assert type(allocator) is DeviceAllocator and allocator.name == "rocm allocator"
+    assert allocator.device.type == "cuda" and allocator.torch_device == "cuda"
     assert plugin.vllm_port_allocator(PlatformDescription("cuda", "cuda", 100, "nccl")) is None
     assert torch.cuda.is_initialized() == before  # building it touches no device

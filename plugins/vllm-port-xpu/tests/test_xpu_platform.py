@@ -11,8 +11,8 @@ import torch
 
 from vllm_port import PlatformDescription
 from vllm_port.platform import validate_description, validate_probe
+from vllm_port.plugin_kit import DeviceAllocator
 from vllm_port_xpu import plugin
-from vllm_port_xpu.memory import XpuAllocator
 from vllm_port_xpu.platform import describe, probe, xpu_build
 
 NO_XPU_TORCH = xpu_build() is None
@@ -78,7 +78,7 @@ def test_probe_with_gpus_lists_them_by_index(monkeypatch: pytest.MonkeyPatch) ->
 def test_allocator_only_for_the_xpu_platform() -> None:
     before = torch.xpu.is_initialized()
     allocator = plugin.vllm_port_allocator(describe())
-    assert isinstance(allocator, XpuAllocator)
-    assert allocator.device.type == "xpu"
+    assert type(allocator) is DeviceAllocator and allocator.name == "xpu allocator"
+    assert allocator.device.type == "xpu" and allocator.torch_device == "xpu"
     assert plugin.vllm_port_allocator(PlatformDescription("cuda", "cuda", 100, "nccl")) is None
     assert torch.xpu.is_initialized() == before  # building it touches no device
