@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from vllm_port.errors import OpInputError  # noqa: E402
 from vllm_port.kernels.triton.attention import AttentionKernels, _decode_splits  # noqa: E402
-from vllm_port.kernels.triton.target import INTERPRETER  # noqa: E402
+from vllm_port.kernels.triton_target import INTERPRETER  # noqa: E402
 from vllm_port.ops import OpRegistry, Provider, paged_attention, prefill_attention  # noqa: E402
 from vllm_port.ops.attention import _paged_batch  # noqa: E402
 from vllm_port_cuda.triton_targets import CUDA  # noqa: E402

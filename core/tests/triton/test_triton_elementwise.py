@@ -22,7 +22,7 @@ from vllm_port.kernels.triton.activation import ActivationKernels  # noqa: E402
 from vllm_port.kernels.triton.cache import CacheKernels  # noqa: E402
 from vllm_port.kernels.triton.norm import NormKernels  # noqa: E402
 from vllm_port.kernels.triton.rotary import RotaryKernels  # noqa: E402
-from vllm_port.kernels.triton.target import INTERPRETER, TritonTarget  # noqa: E402
+from vllm_port.kernels.triton_target import INTERPRETER, TritonTarget  # noqa: E402
 from vllm_port.ops import (  # noqa: E402
     ALL_OPS,
     Op,

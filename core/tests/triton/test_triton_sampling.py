@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from vllm_port.errors import OpInputError  # noqa: E402
 from vllm_port.kernels.triton.sampling import SamplingKernels, _vocab_splits  # noqa: E402
-from vllm_port.kernels.triton.target import INTERPRETER  # noqa: E402
+from vllm_port.kernels.triton_target import INTERPRETER  # noqa: E402
 from vllm_port.ops import OpRegistry, Provider, sample  # noqa: E402
 from vllm_port.ops.sampling import check_reference_draws, gumbel_noise, sample_reference  # noqa: E402
 from vllm_port_cuda.triton_targets import CUDA  # noqa: E402

@@ -82,3 +82,15 @@ def test_allocator_only_for_the_xpu_platform() -> None:
     assert allocator.device.type == "xpu" and allocator.torch_device == "xpu"
     assert plugin.vllm_port_allocator(PlatformDescription("cuda", "cuda", 100, "nccl")) is None
     assert torch.xpu.is_initialized() == before  # building it touches no device
+
+
+def test_the_triton_target_is_plain_data_that_imports_without_triton() -> None:
+    # Triton is no declared dependency (torch's XPU wheels bring it): the plugin's modules import without it.
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # makes ``import triton`` raise ImportError
+        from vllm_port_xpu.triton_targets import XPU
+        print(XPU.name)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["xpu"]

@@ -1,14 +1,15 @@
 """The CUDA plugin's launch configurations of the shared Triton kernels, one per family of NVIDIA parts.
 
 Core's shared Triton kernels (:mod:`vllm_port.kernels.triton`) are written once; each launcher derives
-block sizes, warps and pipeline stages from the :class:`~vllm_port.kernels.triton.TritonTarget` it is
-given. The tiles of the attention kernels must fit a multiprocessor's shared memory, which differs threefold
-across NVIDIA's parts: :func:`vllm_port_cuda.ops.target_for` picks the target whose tiles fit every visible GPU. Importing this module imports triton.
+block sizes, warps and pipeline stages from the :class:`~vllm_port.kernels.triton_target.TritonTarget`
+it is given. The tiles of the attention kernels must fit a multiprocessor's shared memory, which
+differs threefold across NVIDIA's parts: :func:`vllm_port_cuda.ops.target_for` picks the target
+whose tiles fit every visible GPU. Plain data: importing this module needs no Triton.
 """
 
 from __future__ import annotations
 
-from vllm_port.kernels.triton import TritonTarget
+from vllm_port.kernels.triton_target import TritonTarget
 
 __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 

@@ -1,13 +1,13 @@
 """The ROCm plugin's launch configuration of the shared Triton kernels: AMD CDNA (MI200/MI300).
 
 Core's shared Triton kernels (:mod:`vllm_port.kernels.triton`) are written once; each launcher derives
-block sizes, warps and pipeline stages from the :class:`~vllm_port.kernels.triton.TritonTarget` it is
-given. An RDNA target would be a second one here. Importing this module imports triton.
+block sizes, warps and pipeline stages from the :class:`~vllm_port.kernels.triton_target.TritonTarget`
+it is given. An RDNA target would be a second one here. Plain data: importing this module needs no Triton.
 """
 
 from __future__ import annotations
 
-from vllm_port.kernels.triton import LinearTiles, TritonTarget
+from vllm_port.kernels.triton_target import LinearTiles, TritonTarget
 
 __all__ = ["ROCM"]
 

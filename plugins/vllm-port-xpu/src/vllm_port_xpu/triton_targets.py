@@ -1,13 +1,14 @@
 """The XPU plugin's launch configuration of the shared Triton kernels: Intel Data Center GPU Max (Xe-HPC).
 
 Core's shared Triton kernels (:mod:`vllm_port.kernels.triton`) are written once; each launcher derives
-block sizes, warps and pipeline stages from the :class:`~vllm_port.kernels.triton.TritonTarget` it is
-given. Tune it with the measurement that justifies each value, in the comment beside it. Importing this module imports triton.
+block sizes, warps and pipeline stages from the :class:`~vllm_port.kernels.triton_target.TritonTarget`
+it is given. Tune it with the measurement that justifies each value, in the comment beside it.
+Plain data: importing this module needs no Triton.
 """
 
 from __future__ import annotations
 
-from vllm_port.kernels.triton import TritonTarget
+from vllm_port.kernels.triton_target import TritonTarget
 
 __all__ = ["XPU"]
 

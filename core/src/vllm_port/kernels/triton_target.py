@@ -1,10 +1,11 @@
 """Launch choices of one GPU family for the shared Triton kernels.
 
-The kernels are written once; a plugin passes the :class:`TritonTarget` of its hardware, and each
-launcher derives block sizes, warps and pipeline stages from it. A vendor tunes its target, not
-the kernels, and keeps it in its plugin (``vllm_port_cuda.triton_targets``,
-``vllm_port_rocm.triton_targets``, ``vllm_port_xpu.triton_targets``); core keeps only the
-:data:`INTERPRETER` target of the CPU-interpreter tests.
+The kernels (:mod:`vllm_port.kernels.triton`) are written once; a plugin passes the
+:class:`TritonTarget` of its hardware, and each launcher derives block sizes, warps and pipeline
+stages from it. A vendor tunes its target, not the kernels, and keeps it in its plugin
+(``vllm_port_cuda.triton_targets``, ``vllm_port_rocm.triton_targets``, ``vllm_port_xpu.triton_targets``);
+core keeps only the :data:`INTERPRETER` target of the CPU-interpreter tests. Plain data, outside
+``kernels.triton``, so that a plugin states its targets without Triton installed.
 """
 
 from __future__ import annotations
