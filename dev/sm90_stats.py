@@ -43,9 +43,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vllm_port.kernels.triton import CUDA
 from vllm_port.kernels.triton.attention import _prefill_kernel
-from vllm_port.kernels.triton.target import PREFILL_ORDERS, TritonTarget
+from vllm_port.kernels.triton_target import PREFILL_ORDERS, TritonTarget
+from vllm_port_cuda.triton_targets import CUDA
 
 SM_SHARED_BYTES = 228 * 1024  # an H100/H200 multiprocessor's shared memory (227 KiB a block, 1 KiB reserved a block)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

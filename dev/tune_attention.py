@@ -52,9 +52,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from vllm_port.bench._timing import copy_bandwidth_gbs
-from vllm_port.kernels.triton import CUDA, INTERPRETER, TritonTarget
+from vllm_port.kernels.triton import INTERPRETER, TritonTarget
 from vllm_port.kernels.triton.attention import AttentionKernels
 from vllm_port.ops import paged_attention as PAGED_ATTENTION_OP
+from vllm_port_cuda.triton_targets import CUDA
 
 HEADS, KV_HEADS, HEAD = 32, 8, 128
 DTYPE = torch.bfloat16

@@ -15,9 +15,9 @@ import torch
 import vllm_port
 from vllm_port.bench._timing import graph_median_ms
 from vllm_port.bench.ops import workload
-from vllm_port.kernels.triton import CUDA
 from vllm_port.kernels.triton.activation import ActivationKernels
 from vllm_port.kernels.triton.norm import NormKernels
+from vllm_port_cuda.triton_targets import CUDA
 
 VARIANTS = [replace(CUDA, max_warps=w, elementwise_block=b) for w in (4, 8, 16) for b in (1024, 2048, 4096)]
 OPS = {

@@ -28,8 +28,9 @@ import triton.testing
 
 from vllm_port.bench._timing import copy_bandwidth_gbs
 from vllm_port.bench.ops import GEMV_SHAPES
-from vllm_port.kernels.triton import CUDA, LinearTiles, TritonTarget
+from vllm_port.kernels.triton import LinearTiles, TritonTarget
 from vllm_port.kernels.triton.linear import LinearKernels
+from vllm_port_cuda.triton_targets import CUDA
 
 #: How many times a decode step of Llama-3-8B runs each product.
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}

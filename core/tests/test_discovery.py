@@ -27,6 +27,16 @@ def test_healthy_test_plugin_with_higher_priority_wins(install_plugin):
     assert "fast (50), cpu (0)" in runtime.reason
 
 
+def test_a_negative_priority_is_valid_and_ranks_below_the_cpu_plugin(install_plugin):
+    """Where ``new-plugin`` starts a package (below every in-tree plugin): discovered, available, never chosen."""
+    install_plugin("humble", healthy("humble", priority=-1))
+    runtime = vllm_port.load(plugins="cpu,humble")
+    record = _record(runtime.discovery, "humble")
+    assert record.error is None and record.available and record.description.priority == -1
+    assert runtime.platform.name == "cpu" and "cpu (0), humble (-1)" in runtime.reason
+    assert vllm_port.load(plugins="cpu,humble", device="humble").platform.name == "humble"  # named, it runs
+
+
 def test_device_flag_and_env_override_priority(install_plugin, monkeypatch):
     install_plugin("fast", healthy("fast", priority=50))
     assert vllm_port.load(plugins="cpu,fast", device="cpu").platform.name == "cpu"

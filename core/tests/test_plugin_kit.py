@@ -1,17 +1,21 @@
-"""The shared plugin parts: a device allocator, graph capture and the standard hooks, on fake torch modules."""
+"""The shared plugin parts: a device allocator, graph capture and the context check, on fake torch modules."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
 import vllm_port
-from vllm_port import PlatformDescription, ProbeResult
-from vllm_port.memory import HostMemoryAllocator, OutOfMemoryError
-from vllm_port.plugin_kit import DeviceAllocator, StreamGraphCapture, platform_hooks, torch_device_module
+from vllm_port.memory import OutOfMemoryError
+from vllm_port.plugin_kit import DeviceAllocator, StreamGraphCapture, device_context_created, torch_device_module
+from vllm_port.scaffold import new_plugin
 
 MIB = 1 << 20
 
@@ -100,60 +104,86 @@ def test_stream_graph_capture_warms_up_on_a_side_stream_then_replays(monkeypatch
     ]  # fmt: skip
 
 
-def _hooks(**parts: Callable[..., object]) -> dict[str, Callable[..., object]]:
-    return platform_hooks(
-        api_range=">=1.0,<2",
-        describe=lambda: PlatformDescription("mychip", "cpu", 5, "gloo"),
-        probe=lambda: ProbeResult(True, "always here", (vllm_port.DeviceInfo("chip 0"),)),
-        **parts,
-    )
+def test_device_context_created_asks_the_device_module_and_is_false_without_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = iter([False, True])
+    fake_device_module(monkeypatch, "fakegpu", is_initialized=lambda: next(answers))
+    assert device_context_created("fakegpu") is False
+    assert device_context_created("fakegpu") is True  # asked at each call, not once
+    assert device_context_created("nochip") is False  # a torch build without torch.nochip made no context
 
 
-def test_platform_hooks_define_only_the_parts_given() -> None:
-    assert sorted(_hooks()) == ["vllm_port_api_range", "vllm_port_platform_describe", "vllm_port_platform_probe"]
-    full = _hooks(
-        torch_device="nochip",
-        providers=list,
-        allocator=lambda: HostMemoryAllocator(pinned=False),
-        graph_capture=object,
-    )
-    assert sorted(full) == sorted(
-        [
-            "vllm_port_api_range",
-            "vllm_port_platform_describe",
-            "vllm_port_platform_probe",
-            "vllm_port_platform_context_created",
-            "vllm_port_providers",
-            "vllm_port_allocator",
-            "vllm_port_graph_capture",
-        ]
-    )
-    assert full["vllm_port_platform_context_created"]() is False  # no torch.nochip: no context either
-    other = PlatformDescription("otherchip", "cpu", 5, "gloo")
-    assert isinstance(full["vllm_port_allocator"](full["vllm_port_platform_describe"]()), HostMemoryAllocator)
-    assert full["vllm_port_allocator"](other) is None  # answers for its own platform only
-    assert full["vllm_port_graph_capture"](other) is None
-
-
-def test_a_plugin_module_of_platform_hooks_is_discovered_and_bound(install_plugin: Callable[..., str]) -> None:
+def test_a_plugin_module_of_hooks_on_kit_parts_is_discovered_and_bound(install_plugin: Callable[..., str]) -> None:
     # the real path: entry point, import, pluggy's check of every hook against the specs, the runtime's parts
     source = """
-        from vllm_port import DeviceInfo, PlatformDescription, ProbeResult
+        from vllm_port import DeviceInfo, PlatformDescription, ProbeResult, hookimpl
         from vllm_port.memory import HostMemoryAllocator
-        from vllm_port.plugin_kit import platform_hooks
+        from vllm_port.plugin_kit import device_context_created
 
-        globals().update(
-            platform_hooks(
-                api_range=">=1.0,<2",
-                describe=lambda: PlatformDescription("kitchip", "cpu", 5, "gloo"),
-                probe=lambda: ProbeResult(True, "always here", (DeviceInfo("kit device", 1 << 30),)),
-                torch_device="cpu",
-                providers=list,
-                allocator=lambda: HostMemoryAllocator(pinned=False, name="kit allocator"),
-            )
-        )
+        @hookimpl
+        def vllm_port_api_range():
+            return ">=1.0,<2"
+
+        @hookimpl
+        def vllm_port_platform_describe():
+            return PlatformDescription("kitchip", "cpu", 5, "gloo")
+
+        @hookimpl
+        def vllm_port_platform_probe():
+            return ProbeResult(True, "always here", (DeviceInfo("kit device", 1 << 30),))
+
+        @hookimpl
+        def vllm_port_platform_context_created():
+            return device_context_created("cpu")
+
+        @hookimpl
+        def vllm_port_providers():
+            return []
+
+        @hookimpl
+        def vllm_port_allocator(platform):
+            return HostMemoryAllocator(pinned=False, name="kit allocator") if platform.name == "kitchip" else None
     """
     install_plugin("kitchip", source)
     runtime = vllm_port.load(plugins="kitchip")
     assert (runtime.platform.name, runtime.selected.error, runtime.selected.api_range) == ("kitchip", None, ">=1.0,<2")
     assert runtime.allocator().name == "kit allocator"
+
+
+REPO = Path(__file__).resolve().parents[2]
+IN_TREE = ("cpu", "cuda", "rocm", "xpu")
+
+
+def _plugin_sources(tmp_path: Path) -> list[Path]:
+    """Every module of the in-tree plugins, and of a package generated by ``new-plugin`` for each kind of device."""
+    generated = [new_plugin(f"kit{d}", tmp_path / d, device_type=d).root for d in ("cpu", "cuda", "xpu", "mps")]
+    return [*sorted(REPO.glob("plugins/*/src/*/*.py")), *(p for root in generated for p in sorted(root.rglob("*.py")))]
+
+
+def _calls_globals(source: str) -> bool:
+    tree = ast.parse(source)
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "globals" for n in ast.walk(tree)
+    )
+
+
+def test_no_plugin_module_writes_its_names_through_globals(tmp_path: Path) -> None:
+    """A reader (and grep) finds every hook where it is defined: no ``globals().update(...)``, no ``globals()[...]``."""
+    sources = _plugin_sources(tmp_path)
+    assert {p.parent.name for p in sources} >= {f"vllm_port_{name}" for name in IN_TREE}
+    assert len(sources) > 30  # the four plugins' modules and four generated packages
+    assert [str(p) for p in sources if _calls_globals(p.read_text(encoding="utf-8"))] == []
+
+
+@pytest.mark.parametrize("name", IN_TREE)
+def test_every_hook_of_an_in_tree_plugin_is_a_function_of_its_entry_point_module(name: str) -> None:
+    entry = next(ep for ep in metadata.entry_points(group="vllm_port") if ep.name == name)
+    module = importlib.import_module(entry.value)
+    hooks = {attr: getattr(module, attr) for attr in dir(module) if attr.startswith("vllm_port_")}
+    assert {"vllm_port_api_range", "vllm_port_platform_describe", "vllm_port_platform_probe"} <= set(hooks)
+    source = Path(module.__file__).read_text(encoding="utf-8")
+    for attr, function in hooks.items():
+        assert hasattr(function, "vllm_port_impl"), f"{entry.value}.{attr} is no @hookimpl"
+        assert function.__module__ == module.__name__, f"{entry.value}.{attr} comes from {function.__module__}"
+        assert f"@hookimpl\ndef {attr}(" in source

@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dev/: tune_atten
 import tune_attention as ta
 
 from vllm_port.bench._timing import copy_bandwidth_gbs
-from vllm_port.kernels.triton import CUDA
 from vllm_port.kernels.triton import attention as A
+from vllm_port_cuda.triton_targets import CUDA
 
 copy = copy_bandwidth_gbs(torch.device("cuda"), 1 << 30)
 print(f"copy {copy:.0f} GB/s")

@@ -69,10 +69,10 @@ import triton.language as tl
 import vllm_port.ops as ops
 from vllm_port.bench._timing import graph_median_ms
 from vllm_port.bench.ops import workload
-from vllm_port.kernels.triton import CUDA
 from vllm_port.kernels.triton import activation as shipped_activation
 from vllm_port.kernels.triton import norm as shipped_norm
 from vllm_port.ops._op import MAX_ERROR_FACTOR, MEAN_ERROR_FACTOR, Tolerance
+from vllm_port_cuda.triton_targets import CUDA
 
 DTYPE = torch.bfloat16
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,51 +1,64 @@
-"""What every platform plugin has in common, so that each plugin file holds only what is special to its vendor.
+"""The parts platform plugins share, so that each plugin file holds only what is special to its vendor.
 
-Three parts, each parameterised by what differs between vendors (a name, a torch device module, a
-graph type); the in-tree plugins and the ``vllm-port new-plugin`` scaffold use the same ones:
+Each part is parameterised by what differs between vendors (a name, a torch device module, a graph
+type); the in-tree plugins and the ``vllm-port new-plugin`` scaffold call the same ones from their
+own ``@hookimpl`` functions:
 
 - :class:`DeviceAllocator`: flat byte buffers through torch's caching allocator of one torch device
   module (``torch.cuda``, ``torch.xpu``...), free memory counting what that cache holds unused.
 - :class:`StreamGraphCapture`: capture a step on a side stream after warm-up runs and replay it with
   one launch, through one device module's graph API (CUDA graphs; HIP graphs, which ROCm builds of
   torch expose under ``torch.cuda``).
-- :func:`platform_hooks`: the hook implementations every platform plugin writes the same way (API
-  range, describe, probe, context check, providers, allocator, graph capture), built from the
-  plugin's parts. A plugin module takes them with ``globals().update(platform_hooks(...))`` and
-  writes by hand, with ``@hookimpl``, only the hooks special to it.
+- :func:`device_context_created`: the answer of ``vllm_port_platform_context_created`` for a
+  device that torch drives through one module.
 
-A minimal platform plugin module::
+A plugin module writes every hook it answers as a function of its own, so a reader (and grep) finds
+each one where the entry point names it::
 
-    from vllm_port.plugin_kit import DeviceAllocator, platform_hooks
+    from vllm_port import PlatformDescription, ProbeResult, hookimpl
+    from vllm_port.memory import Allocator
+    from vllm_port.plugin_kit import DeviceAllocator, device_context_created
 
-    from . import ops, platform
+    from .platform import describe, probe
 
-    globals().update(
-        platform_hooks(
-            api_range=">=1.0,<2",
-            describe=platform.describe,
-            probe=platform.probe,
-            torch_device="cuda",
-            providers=ops.providers,
-            allocator=lambda: DeviceAllocator("mychip allocator", "cuda"),
-        )
-    )
+
+    @hookimpl
+    def vllm_port_api_range() -> str:
+        return ">=1.0,<2"
+
+
+    @hookimpl
+    def vllm_port_platform_describe() -> PlatformDescription:
+        return describe()
+
+
+    @hookimpl
+    def vllm_port_platform_probe() -> ProbeResult:
+        return probe()
+
+
+    @hookimpl
+    def vllm_port_platform_context_created() -> bool:
+        return device_context_created("cuda")
+
+
+    @hookimpl
+    def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
+        return DeviceAllocator("mychip allocator", "cuda") if platform.name == "mychip" else None
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
 from .graph_capture import GraphCapture, capturing
-from .hookspecs import hookimpl
 from .memory import Allocator
-from .ops import Provider
-from .platform import PlatformDescription, ProbeResult
 
-__all__ = ["DeviceAllocator", "StreamGraphCapture", "platform_hooks", "torch_device_module"]
+__all__ = ["DeviceAllocator", "StreamGraphCapture", "device_context_created", "torch_device_module"]
 
 T = TypeVar("T")
 
@@ -64,6 +77,17 @@ def torch_device_module(name: str) -> ModuleType:
             f"torch {torch.__version__} has no torch.{name} module; install a torch build with {name} support"
         )
     return module
+
+
+def device_context_created(torch_device: str) -> bool:
+    """Whether this process has made a device context through ``torch.<torch_device>`` (its ``is_initialized()``).
+
+    What a plugin's ``vllm_port_platform_context_created`` answers for a device torch drives
+    through one module (``"cuda"``, also for ROCm builds; ``"xpu"``). A torch build without the
+    module (releases before the device's support) has made no context.
+    """
+    module = getattr(torch, torch_device, None)
+    return bool(module is not None and module.is_initialized())
 
 
 class DeviceAllocator(Allocator):
@@ -132,78 +156,3 @@ class StreamGraphCapture(GraphCapture):
             return outputs
 
         return replay
-
-
-def platform_hooks(
-    *,
-    api_range: str,
-    describe: Callable[[], PlatformDescription],
-    probe: Callable[[], ProbeResult],
-    torch_device: str | None = None,
-    providers: Callable[[], list[Provider]] | None = None,
-    allocator: Callable[[], Allocator] | None = None,
-    graph_capture: Callable[[], GraphCapture] | None = None,
-) -> dict[str, Callable[..., Any]]:
-    """The standard hook implementations of a platform plugin, keyed by hook name.
-
-    Each answers exactly as a hand-written ``@hookimpl`` would; those left ``None`` are not defined,
-    so core serves its default for them (see :mod:`vllm_port.hookspecs`).
-
-    :param api_range: the contract range the plugin implements (``vllm_port_api_range``).
-    :param describe: answers ``vllm_port_platform_describe`` (constants only).
-    :param probe: answers ``vllm_port_platform_probe`` (a cheap query, no device context).
-    :param torch_device: the torch module whose ``is_initialized()`` answers
-        ``vllm_port_platform_context_created`` (``"cuda"``, ``"xpu"``); ``None`` for a platform
-        without device contexts (CPU), which leaves that hook out. A torch build without the module
-        has created no context.
-    :param providers: answers ``vllm_port_providers``.
-    :param allocator: builds the device allocator; ``vllm_port_allocator`` calls it only for this
-        plugin's own platform (the name ``describe()`` gives) and answers ``None`` for any other.
-    :param graph_capture: builds the graph capture; ``vllm_port_graph_capture`` calls it only for
-        this plugin's own platform.
-    :return: ``{hook name: implementation}``, for ``globals().update(...)`` in the plugin module.
-    """
-    hooks: dict[str, Callable[..., Any]] = {}
-
-    def vllm_port_api_range() -> str:
-        return api_range
-
-    def vllm_port_platform_describe() -> PlatformDescription:
-        return describe()
-
-    def vllm_port_platform_probe() -> ProbeResult:
-        return probe()
-
-    for function in (vllm_port_api_range, vllm_port_platform_describe, vllm_port_platform_probe):
-        hooks[function.__name__] = hookimpl(function)
-
-    if torch_device is not None:
-
-        def vllm_port_platform_context_created() -> bool:
-            module = getattr(torch, torch_device, None)  # torch releases before a device's support lack its module
-            return bool(module is not None and module.is_initialized())
-
-        hooks["vllm_port_platform_context_created"] = hookimpl(vllm_port_platform_context_created)
-
-    if providers is not None:
-
-        def vllm_port_providers() -> list[Provider]:
-            return providers()
-
-        hooks["vllm_port_providers"] = hookimpl(vllm_port_providers)
-
-    if allocator is not None:
-
-        def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
-            return allocator() if platform.name == describe().name else None
-
-        hooks["vllm_port_allocator"] = hookimpl(vllm_port_allocator)
-
-    if graph_capture is not None:
-
-        def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | None:
-            return graph_capture() if platform.name == describe().name else None
-
-        hooks["vllm_port_graph_capture"] = hookimpl(vllm_port_graph_capture)
-
-    return hooks

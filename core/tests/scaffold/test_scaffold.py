@@ -22,8 +22,8 @@ from vllm_port import API_VERSION, PlatformDescription, cli
 from vllm_port.memory import HostMemoryAllocator, default_allocator
 from vllm_port.ops import ALL_OPS, OpRegistry
 from vllm_port.platform import validate_description, validate_probe
-from vllm_port.plugin_kit import DeviceAllocator, StreamGraphCapture
-from vllm_port.scaffold import ScaffoldError, new_plugin
+from vllm_port.plugin_kit import DeviceAllocator, StreamGraphCapture, device_context_created
+from vllm_port.scaffold import GENERATED_PRIORITY, ScaffoldError, new_plugin
 
 try:
     import tomllib
@@ -113,11 +113,13 @@ def test_the_plugin_answers_every_hook_and_a_provider_for_every_op(imported) -> 
     assert plugin.vllm_port_allocator(other) is None and plugin.vllm_port_collectives(other) is None
 
 
-def test_the_common_hooks_come_from_the_plugin_kit(package: Path, imported) -> None:
-    """plugin.py writes by hand only the comm hooks; the rest is ``platform_hooks``, as in the in-tree plugins."""
+def test_every_hook_is_a_function_written_in_plugin_py(package: Path, imported) -> None:
+    """plugin.py defines each hook it answers, as the in-tree plugins do: a reader (and grep) finds every one there."""
     source = (package / "src" / f"vllm_port_{NAME}" / "plugin.py").read_text()
-    assert "platform_hooks(" in source and source.count("@hookimpl") == 2
-    assert imported.vllm_port_api_range.__module__ == "vllm_port.plugin_kit"
+    hooks = sorted(attr for attr in dir(imported) if attr.startswith("vllm_port_"))
+    assert "globals()" not in source and source.count("@hookimpl\ndef ") == len(hooks) == 7
+    assert all(f"@hookimpl\ndef {hook}(" in source for hook in hooks)
+    assert {getattr(imported, hook).__module__ for hook in hooks} == {f"vllm_port_{NAME}.plugin"}
     assert not hasattr(imported, "vllm_port_platform_context_created")  # a CPU makes no device context
     assert not hasattr(imported, "vllm_port_graph_capture")
     allocator = imported.vllm_port_allocator(imported.vllm_port_platform_describe())
@@ -157,7 +159,8 @@ def test_a_gpu_plugin_takes_the_device_allocator_and_context_check_of_the_kit(de
         assert allocator.device == torch.device(device_type) and allocator.name == f"scaffold{device_type} allocator"
         module = getattr(torch, device_type)
         assert plugin.vllm_port_platform_context_created() is module.is_initialized()
-        assert plugin.vllm_port_platform_context_created.__module__ == "vllm_port.plugin_kit"
+        assert plugin.device_context_created is device_context_created  # the kit's check, called by its own hook
+        assert plugin.vllm_port_platform_context_created.__module__ == f"vllm_port_scaffold{device_type}.plugin"
 
 
 def test_cuda_graphs_come_wired_to_the_kit_and_off_until_the_vendor_turns_them_on(
@@ -228,19 +231,43 @@ def _install_outside(package: Path, site: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_installed_from_outside_it_is_discovered_and_selected(package: Path, tmp_path: Path) -> None:
+def _doctor(env: dict[str, str], *args: str) -> dict:
+    doctor = _run(sys.executable, "-m", "vllm_port.cli", "doctor", "--json", *args, env=env)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    return json.loads(doctor.stdout)
+
+
+def test_installed_from_outside_it_is_discovered_displaces_no_platform_and_runs_when_named(
+    package: Path, tmp_path: Path
+) -> None:
     """Installed as a wheel outside this venv; that it certifies is the tox test below (one certification in CI)."""
     site = tmp_path / "site"
     _install_outside(package, site)
     assert (site / f"vllm_port_{NAME}" / "plugin.py").is_file()
     env = _env(PYTHONPATH=str(site))
-    doctor = _run(sys.executable, "-m", "vllm_port.cli", "doctor", "--json", env=env)
-    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-    report = json.loads(doctor.stdout)
+    report = _doctor(env)
     mine = next(p for p in report["plugins"] if p["name"] == NAME)
     assert mine["available"] and mine["distribution"] == f"vllm-port-{NAME}" and mine["error"] is None
-    assert report["selected"] == NAME  # above the cpu plugin
-    assert {op["provider"] for op in report["ops"].values()} == {f"{NAME}_reference_{op.name}" for op in ALL_OPS}
+    in_tree = {p["name"]: p["priority"] for p in report["plugins"] if p["name"] in ("cpu", "cuda", "rocm", "xpu")}
+    assert len(in_tree) == 4 and mine["priority"] == GENERATED_PRIORITY < min(in_tree.values())
+    assert report["selected"] == "cpu"  # its reference ops never displace the cpu plugin's
+    named = _doctor(env, "--device", NAME)
+    assert named["selected"] == NAME
+    assert {op["provider"] for op in named["ops"].values()} == {f"{NAME}_reference_{op.name}" for op in ALL_OPS}
+
+
+def test_the_generated_priority_is_below_every_in_tree_plugin_and_says_how_to_raise_it(package: Path) -> None:
+    in_tree = {}
+    for name in ("cpu", "cuda", "rocm", "xpu"):
+        platform = importlib.import_module(f"vllm_port_{name}.platform")
+        in_tree[name] = platform.describe().priority
+    assert GENERATED_PRIORITY < min(in_tree.values())
+    source = (package / "src" / f"vllm_port_{NAME}" / "platform.py").read_text()
+    assert f"\nPRIORITY = {GENERATED_PRIORITY}\n" in source
+    said = " ".join(line.removeprefix("#:").strip() for line in source.splitlines() if line.startswith("#:"))
+    assert in_tree["cuda"] == in_tree["rocm"]
+    assert f"(cpu {in_tree['cpu']}, xpu {in_tree['xpu']}, cuda and rocm {in_tree['cuda']})" in said  # as they stand
+    assert "raise it above the plugin it should win over (PRIORITY = 1 is above cpu)" in said
 
 
 def test_tox_conformance_certifies_the_package_in_a_fresh_venv(package: Path, tmp_path: Path) -> None:

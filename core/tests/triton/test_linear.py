@@ -21,8 +21,11 @@ triton = pytest.importorskip("triton")
 from vllm_port.errors import OpInputError  # noqa: E402
 from vllm_port.kernels.triton import providers  # noqa: E402
 from vllm_port.kernels.triton.linear import LinearKernels, _splits  # noqa: E402
-from vllm_port.kernels.triton.target import CUDA, INTERPRETER, ROCM, XPU  # noqa: E402
+from vllm_port.kernels.triton_target import INTERPRETER  # noqa: E402
 from vllm_port.ops import ALL_OPS, BindContext, OpRegistry, Provider, linear  # noqa: E402
+from vllm_port_cuda.triton_targets import CUDA  # noqa: E402
+from vllm_port_rocm.triton_targets import ROCM  # noqa: E402
+from vllm_port_xpu.triton_targets import XPU  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 if torch.cuda.is_available() and not INTERPRETED:

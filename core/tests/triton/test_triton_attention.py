@@ -20,9 +20,12 @@ triton = pytest.importorskip("triton")
 
 from vllm_port.errors import OpInputError  # noqa: E402
 from vllm_port.kernels.triton.attention import AttentionKernels, _decode_splits  # noqa: E402
-from vllm_port.kernels.triton.target import CUDA, INTERPRETER, ROCM, XPU  # noqa: E402
+from vllm_port.kernels.triton_target import INTERPRETER  # noqa: E402
 from vllm_port.ops import OpRegistry, Provider, paged_attention, prefill_attention  # noqa: E402
 from vllm_port.ops.attention import _paged_batch  # noqa: E402
+from vllm_port_cuda.triton_targets import CUDA  # noqa: E402
+from vllm_port_rocm.triton_targets import ROCM  # noqa: E402
+from vllm_port_xpu.triton_targets import XPU  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 if torch.cuda.is_available() and not INTERPRETED:

@@ -22,7 +22,7 @@ from vllm_port.kernels.triton.activation import ActivationKernels  # noqa: E402
 from vllm_port.kernels.triton.cache import CacheKernels  # noqa: E402
 from vllm_port.kernels.triton.norm import NormKernels  # noqa: E402
 from vllm_port.kernels.triton.rotary import RotaryKernels  # noqa: E402
-from vllm_port.kernels.triton.target import CUDA, INTERPRETER, ROCM, XPU, TritonTarget  # noqa: E402
+from vllm_port.kernels.triton_target import INTERPRETER, TritonTarget  # noqa: E402
 from vllm_port.ops import (  # noqa: E402
     ALL_OPS,
     Op,
@@ -36,6 +36,9 @@ from vllm_port.ops import (  # noqa: E402
     silu_and_mul,
 )
 from vllm_port.ops.rotary import make_cos_sin_cache  # noqa: E402
+from vllm_port_cuda.triton_targets import CUDA  # noqa: E402
+from vllm_port_rocm.triton_targets import ROCM  # noqa: E402
+from vllm_port_xpu.triton_targets import XPU  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 if torch.cuda.is_available() and not INTERPRETED:

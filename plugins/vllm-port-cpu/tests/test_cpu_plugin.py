@@ -4,9 +4,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_port.platform import validate_description, validate_probe
-from vllm_port_cpu import platform
-from vllm_port_cpu.memory import HostAllocator
+from vllm_port.memory import HostMemoryAllocator
+from vllm_port.platform import PlatformDescription, validate_description, validate_probe
+from vllm_port_cpu import platform, plugin
 
 DATA = Path(__file__).parent / "data"
 
@@ -31,8 +31,14 @@ def test_probe_of_this_host_is_valid_and_description_is_lowest_priority():
     assert description.priority == 0 and description.dist_backend == "gloo"
 
 
+def test_the_allocator_hook_serves_pageable_host_memory_for_the_cpu_platform_only():
+    alloc = plugin.vllm_port_allocator(platform.describe())
+    assert type(alloc) is HostMemoryAllocator and not alloc.pinned and alloc.name == "cpu host allocator"
+    assert plugin.vllm_port_allocator(PlatformDescription("cuda", "cuda", 100, "nccl")) is None
+
+
 def test_host_allocator_reports_meminfo_and_accounts():
-    alloc = HostAllocator(str(DATA / "meminfo.txt"))
+    alloc = plugin.host_allocator(str(DATA / "meminfo.txt"))
     assert alloc.mem_info() == (250000000 * 1024, 263741712 * 1024)
     buf = alloc.allocate(1 << 20)
     assert buf.dtype == torch.uint8 and buf.numel() == 1 << 20

@@ -16,8 +16,8 @@ import torch
 
 from vllm_port import PlatformDescription
 from vllm_port.platform import validate_description, validate_probe
+from vllm_port.plugin_kit import DeviceAllocator, StreamGraphCapture
 from vllm_port_cuda import plugin
-from vllm_port_cuda.memory import CudaAllocator
 from vllm_port_cuda.platform import capabilities, describe, parse_visible_devices, probe, read_nvml
 
 CPU_TORCH = torch.version.cuda is None and torch.version.hip is None
@@ -184,15 +184,25 @@ def test_probe_without_nvml_names_devices_generically(monkeypatch: pytest.Monkey
 def test_allocator_only_for_the_cuda_platform() -> None:
     before = torch.cuda.is_initialized()
     allocator = plugin.vllm_port_allocator(describe())
-    assert isinstance(allocator, CudaAllocator)
-    assert allocator.device.type == "cuda"
+    assert type(allocator) is DeviceAllocator and allocator.name == "cuda allocator"
+    assert allocator.device.type == "cuda" and allocator.torch_device == "cuda"
     assert plugin.vllm_port_allocator(PlatformDescription("rocm", "cuda", 100, "nccl")) is None
     assert torch.cuda.is_initialized() == before  # building it touches no device
 
 
+def test_graph_capture_is_cuda_graphs_through_the_kit_for_the_cuda_platform_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")  # so it builds on a machine without CUDA
+    capture = plugin.vllm_port_graph_capture(describe())
+    assert type(capture) is StreamGraphCapture and capture.name == "cuda graphs"
+    assert (capture.torch_device, capture.graph_type, capture.pool) == ("cuda", "CUDAGraph", "pool")
+    assert plugin.vllm_port_graph_capture(PlatformDescription("rocm", "cuda", 100, "nccl")) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_allocator_allocates_on_the_gpu() -> None:
-    allocator = CudaAllocator()
+    allocator = plugin.vllm_port_allocator(describe())
     free, total = allocator.mem_info()
     assert 0 < free <= total
     buffer = allocator.allocate(1 << 20)

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from vllm_port.kernels.triton import CUDA, CUDA_AMPERE, CUDA_COMPACT
 from vllm_port.kernels.triton.attention import _tiles
 from vllm_port_cuda import ops
 from vllm_port_cuda.platform import NvmlDevice
+from vllm_port_cuda.triton_targets import CUDA, CUDA_AMPERE, CUDA_COMPACT
 
 HEAD, BF16 = 128, 2
 

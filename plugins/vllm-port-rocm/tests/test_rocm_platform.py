@@ -18,8 +18,8 @@ import torch
 
 from vllm_port import PlatformDescription
 from vllm_port.platform import validate_description, validate_probe
+from vllm_port.plugin_kit import DeviceAllocator
 from vllm_port_rocm import plugin
-from vllm_port_rocm.memory import RocmAllocator
 from vllm_port_rocm.platform import (
     KfdGpu,
     arch_capabilities,
@@ -255,7 +255,19 @@ def test_probe_without_visible_gpu_says_what_to_check(hip_torch: pytest.MonkeyPa
 def test_allocator_only_for_the_rocm_platform() -> None:
     before = torch.cuda.is_initialized()
     allocator = plugin.vllm_port_allocator(describe())
-    assert isinstance(allocator, RocmAllocator)
-    assert allocator.device.type == "cuda"
+    assert type(allocator) is DeviceAllocator and allocator.name == "rocm allocator"
+    assert allocator.device.type == "cuda" and allocator.torch_device == "cuda"
     assert plugin.vllm_port_allocator(PlatformDescription("cuda", "cuda", 100, "nccl")) is None
     assert torch.cuda.is_initialized() == before  # building it touches no device
+
+
+def test_the_triton_target_is_plain_data_that_imports_without_triton() -> None:
+    # Triton is no declared dependency (torch's ROCm wheels bring it): the plugin's modules import without it.
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # makes ``import triton`` raise ImportError
+        from vllm_port_rocm.triton_targets import ROCM
+        print(ROCM.name)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["rocm"]

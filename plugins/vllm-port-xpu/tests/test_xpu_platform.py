@@ -11,8 +11,8 @@ import torch
 
 from vllm_port import PlatformDescription
 from vllm_port.platform import validate_description, validate_probe
+from vllm_port.plugin_kit import DeviceAllocator
 from vllm_port_xpu import plugin
-from vllm_port_xpu.memory import XpuAllocator
 from vllm_port_xpu.platform import describe, probe, xpu_build
 
 NO_XPU_TORCH = xpu_build() is None
@@ -78,7 +78,19 @@ def test_probe_with_gpus_lists_them_by_index(monkeypatch: pytest.MonkeyPatch) ->
 def test_allocator_only_for_the_xpu_platform() -> None:
     before = torch.xpu.is_initialized()
     allocator = plugin.vllm_port_allocator(describe())
-    assert isinstance(allocator, XpuAllocator)
-    assert allocator.device.type == "xpu"
+    assert type(allocator) is DeviceAllocator and allocator.name == "xpu allocator"
+    assert allocator.device.type == "xpu" and allocator.torch_device == "xpu"
     assert plugin.vllm_port_allocator(PlatformDescription("cuda", "cuda", 100, "nccl")) is None
     assert torch.xpu.is_initialized() == before  # building it touches no device
+
+
+def test_the_triton_target_is_plain_data_that_imports_without_triton() -> None:
+    # Triton is no declared dependency (torch's XPU wheels bring it): the plugin's modules import without it.
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # makes ``import triton`` raise ImportError
+        from vllm_port_xpu.triton_targets import XPU
+        print(XPU.name)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["xpu"]

@@ -5,12 +5,15 @@ plugins, one short file each: ``platform`` (describe and probe), ``ops`` (a prov
 delegating to the references), ``memory`` (core's host allocator on ``cpu``; on a GPU,
 :class:`~vllm_port.plugin_kit.DeviceAllocator`), ``comm`` (torch.distributed on the platform's
 backend), ``graph`` on a device type with graphs (:class:`~vllm_port.plugin_kit.StreamGraphCapture`,
-off until the vendor's decode kernels capture), and ``plugin``: the hooks every platform answers
-alike from :func:`~vllm_port.plugin_kit.platform_hooks`, the comm hooks by hand. So each file holds
-only what is the vendor's, as in the in-tree plugins. A README, ``tests/`` that run the conformance
-suite, and a ``tox.ini`` with ``conformance``, ``tests``, ``lint`` and ``build`` environments. On a
-device torch already knows (the host CPU by default) it installs, is discovered by
-``vllm-port doctor`` and certifies before the vendor writes a line.
+off until the vendor's decode kernels capture), and ``plugin``: every hook it answers, one
+``@hookimpl`` function each, calling those files (and :func:`~vllm_port.plugin_kit.device_context_created`
+on a device with contexts). So each file holds only what is the vendor's, as in the in-tree plugins.
+A README, ``tests/`` that run the conformance suite, and a ``tox.ini`` with ``conformance``,
+``tests``, ``lint`` and ``build`` environments. On a device torch already knows (the host CPU by
+default) it installs, is discovered by ``vllm-port doctor`` and certifies before the vendor writes a
+line. Its platform's priority (:data:`GENERATED_PRIORITY`) is below every in-tree plugin's, so
+installing it changes no selection: it runs where named (``--device NAME``) until the vendor raises
+it in ``platform.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from . import _templates as t
 
 __all__ = [
     "DIST_BACKENDS",
+    "GENERATED_PRIORITY",
     "GRAPH_TYPES",
     "Scaffold",
     "ScaffoldError",
@@ -45,6 +49,10 @@ DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "hpu": "hccl", "m
 #: The graph class in torch's device module of each device type whose graphs the in-tree plugins
 #: capture (CUDA, and HIP through the ``torch.cuda`` of ROCm builds); a plugin on another starts without.
 GRAPH_TYPES = {"cuda": "CUDAGraph"}
+#: The platform priority a generated package starts with: below every in-tree plugin's (cpu 0, xpu 90,
+#: cuda and rocm 100), so that installing a package whose ops are still the references displaces no
+#: platform. Selection takes the available platform of highest priority (:func:`vllm_port.runtime.select`).
+GENERATED_PRIORITY = -1
 #: What :class:`vllm_port.plugin_kit.DeviceAllocator` calls on a torch device module.
 _CACHING_ALLOCATOR = ("mem_get_info", "memory_reserved", "memory_allocated", "empty_cache")
 _NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
@@ -147,13 +155,17 @@ def _values(name: str, device_type: str, parts: _DeviceParts) -> dict[str, str]:
         "dist": f"vllm-port-{name.replace('_', '-')}",
         "device_type": device_type,
         "dist_backend": DIST_BACKENDS.get(device_type, "gloo"),
+        "priority": str(GENERATED_PRIORITY),
         "core_range": _core_range(),
         "api_range": f">={API_VERSION},<{api_major + 1}",  # the contract it is generated and certified with
         "torch": f"torch=={torch.__version__.split('+')[0]}",
-        "modules": "comm, graph, memory, ops, platform" if graphs else "comm, memory, ops, platform",
-        "graph_part": " and ``graph`` (graph capture)" if graphs else "",
-        "context_arg": t.CONTEXT_ARG if parts.context else "",
-        "graph_arg": t.GRAPH_ARG if graphs else "",
+        "modules": "comm, graph, memory, ops" if graphs else "comm, memory, ops",
+        "platform_names": "DEVICE_TYPE, NAME, describe, probe" if parts.context else "NAME, describe, probe",
+        "graph_part": ", ``graph`` (graph capture)" if graphs else "",
+        "graph_import": "from vllm_port.graph_capture import GraphCapture\n" if graphs else "",
+        "kit_import": "from vllm_port.plugin_kit import device_context_created\n" if parts.context else "",
+        "context_hook": t.CONTEXT_HOOK if parts.context else "",
+        "graph_hook": t.GRAPH_HOOK if graphs else "",
         "graph_flag": t.GRAPH_FLAG if graphs else "",
         "graph_capture": "GRAPH_CAPTURE" if graphs else "False",
         "graph_type": parts.graph_type or "",
@@ -242,7 +254,7 @@ def main(name: str, path: str | None, device_type: str) -> int:
         "\nnext:\n"
         f"  cd {made.root}\n"
         "  pip install -e .\n"
-        f"  vllm-port doctor                 # {made.name} is listed, available and selected\n"
+        f"  vllm-port doctor --device {made.name}   # named: its priority is below the in-tree plugins'\n"
         f"  vllm-port certify {made.name} --report reports/{made.name}\n"
         "or all of it in a fresh venv:\n"
         f"  {sources}tox -e conformance"

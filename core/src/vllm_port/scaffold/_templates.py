@@ -119,15 +119,20 @@ before you write a kernel. Then you make it yours, one file at a time:
 | `src/${module}/ops.py` | one provider per contract op | sink ops into your kernels, one at a time (`KERNELS`) |
 | `src/${module}/memory.py` | the device allocator | your driver's allocator |
 | `src/${module}/comm.py` | the distributed backend, point-to-point, collectives | your collective library |
-${graph_row}| `src/${module}/plugin.py` | the hooks: those every platform answers alike from `vllm_port.plugin_kit`, the rest by hand | a hook of your own (a compile pass) |
+${graph_row}| `src/${module}/plugin.py` | the hooks, one `@hookimpl` function each, answering from the files above | a hook of your own (a compile pass) |
 
 ## Install and check
 
 ```bash
 pip install -e .            # next to vllm-port (pip install vllm-port, or -e /path/to/vllm-port/core)
-vllm-port doctor            # ${name} is listed, available, and its ops pass their smoke tests
+vllm-port doctor --device ${name}   # ${name} is listed, available, and its ops pass their smoke tests
 vllm-port certify ${name} --report reports/${name}   # the conformance suite: exit 0 = certified
 ```
+
+The platform's priority (`PRIORITY` in `platform.py`, ${priority}) is below every in-tree plugin's, so
+installing the package changes no selection while its ops are the references: it runs where you
+name it (`--device ${name}`, `VLLM_PORT_DEVICE=${name}`). Raise it above the plugins it should win
+over once your kernels are in.
 
 ## tox
 
@@ -164,50 +169,74 @@ __all__ = ["describe", "probe"]
 PLUGIN = '''\
 """The ${name} plugin's hooks (entry point ``vllm_port: ${name}``).
 
-The hooks every platform plugin answers alike come from ``vllm_port.plugin_kit.platform_hooks``,
-built from this package's parts: ``platform`` (what the hardware is), ``ops`` (the kernels),
-``memory`` (the allocator)${graph_part}.
-Written by hand below: the hooks special to this plugin, communication through ``comm``. The
-contracts are the hook specs in ``vllm_port.hookspecs``; a hook that serves one platform answers
-``None`` for any other.
+Every hook the plugin answers is one function below, answering from this package's parts:
+``platform`` (what the hardware is), ``ops`` (the kernels), ``memory`` (the allocator)${graph_part}
+and ``comm`` (communication). The contracts are the hook specs in ``vllm_port.hookspecs``; a hook
+that takes a platform answers ``None`` for any platform but this one, so core serves its default
+there. Another hook (a compile pass, a migrator) is one more ``@hookimpl`` function.
 """
 
 from __future__ import annotations
 
-from vllm_port import PlatformDescription, hookimpl
+from vllm_port import PlatformDescription, ProbeResult, hookimpl
 from vllm_port.comm import Collectives, PointToPoint
-from vllm_port.plugin_kit import platform_hooks
-
+${graph_import}from vllm_port.memory import Allocator
+from vllm_port.ops import Provider
+${kit_import}
 from . import ${modules}
-
-globals().update(
-    platform_hooks(
-        api_range="${api_range}",
-        describe=platform.describe,
-        probe=platform.probe,${context_arg}
-        providers=ops.providers,
-        allocator=memory.allocator,${graph_arg}
-    )
-)
+from .platform import ${platform_names}
 
 
 @hookimpl
+def vllm_port_api_range() -> str:
+    return "${api_range}"  # the contract versions this plugin was generated and certified with
+
+
+@hookimpl
+def vllm_port_platform_describe() -> PlatformDescription:
+    return describe()
+
+
+@hookimpl
+def vllm_port_platform_probe() -> ProbeResult:
+    return probe()
+${context_hook}
+
+@hookimpl
+def vllm_port_providers() -> list[Provider]:
+    return ops.providers()
+
+
+@hookimpl
+def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
+    return memory.allocator() if platform.name == NAME else None
+${graph_hook}
+
+@hookimpl
 def vllm_port_point_to_point(platform: PlatformDescription) -> PointToPoint | None:
-    return comm.point_to_point() if platform.name == "${name}" else None
+    return comm.point_to_point() if platform.name == NAME else None
 
 
 @hookimpl
 def vllm_port_collectives(platform: PlatformDescription) -> Collectives | None:
-    return comm.collectives() if platform.name == "${name}" else None
+    return comm.collectives() if platform.name == NAME else None
 '''
 
-#: the ``platform_hooks`` argument of a device type whose torch module tells whether a context exists
-CONTEXT_ARG = """
-        torch_device=platform.DEVICE_TYPE,  # its is_initialized(): did this process make a device context"""
+#: the context check of a device type whose torch module tells whether a context exists (its is_initialized())
+CONTEXT_HOOK = """
 
-#: the ``platform_hooks`` argument of a device type with graphs
-GRAPH_ARG = """
-        graph_capture=graph.capture,"""
+@hookimpl
+def vllm_port_platform_context_created() -> bool:
+    return device_context_created(DEVICE_TYPE)  # did this process make a device context (conformance asks)
+"""
+
+#: the graph-capture hook of a device type with graphs (graph.py)
+GRAPH_HOOK = """
+
+@hookimpl
+def vllm_port_graph_capture(platform: PlatformDescription) -> GraphCapture | None:
+    return graph.capture() if platform.name == NAME else None
+"""
 
 PLATFORM_CPU = '''\
 """The ${name} platform: what it is (``describe``) and whether it is here (``probe``).
@@ -231,8 +260,10 @@ from .comm import DIST_BACKEND
 
 NAME = "${name}"
 DEVICE_TYPE = "cpu"
-#: above the in-tree cpu plugin (0): where both are installed and available, this one is selected
-PRIORITY = 1
+#: Below every in-tree plugin (cpu 0, xpu 90, cuda and rocm 100), so installing this package changes no
+#: selection: it runs where named (--device, VLLM_PORT_DEVICE). To have it selected where it is available,
+#: raise it above the plugin it should win over (PRIORITY = 1 is above cpu) once ops.py holds your kernels.
+PRIORITY = ${priority}
 
 
 def describe() -> PlatformDescription:
@@ -275,8 +306,10 @@ from .comm import DIST_BACKEND
 
 NAME = "${name}"
 DEVICE_TYPE = "${device_type}"
-#: above the in-tree GPU plugins (90-100): where both are available, this one is selected
-PRIORITY = 110
+#: Below every in-tree plugin (cpu 0, xpu 90, cuda and rocm 100), so installing this package changes no
+#: selection: it runs where named (--device, VLLM_PORT_DEVICE). To have it selected where it is available,
+#: raise it above the plugins it should win over (PRIORITY = 110 is above all) once ops.py holds your kernels.
+PRIORITY = ${priority}
 ${graph_flag}
 
 def describe() -> PlatformDescription:

@@ -1,38 +1,57 @@
-"""The CPU plugin's hook implementations: the entry point ``vllm_port: cpu``.
+"""The CPU plugin's hooks: the entry point ``vllm_port: cpu``.
 
-Every hook is one that platform plugins answer alike (:func:`vllm_port.plugin_kit.platform_hooks`);
-a CPU has no device context to report, and core's defaults serve comm (gloo) and the block pool.
+Every hook the plugin answers is written here: the platform (``platform``: describe and probe), the
+providers (``ops``), the device memory (pageable host memory) and the plugin's settings. A CPU has
+no device context to report, and core's defaults serve comm (gloo) and the block pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vllm_port import hookimpl
+from vllm_port import PlatformDescription, ProbeResult, hookimpl
 from vllm_port.faults import SWITCH_VALUES, Setting
+from vllm_port.memory import Allocator, HostMemoryAllocator
 from vllm_port.ops import Provider
-from vllm_port.plugin_kit import platform_hooks
 
-from . import native, ops, platform
-from .memory import HostAllocator
+from . import native, ops
+from .platform import describe, probe
+
+#: the platform these hooks serve (``describe().name``); a hook asked about another answers ``None``
+NAME = "cpu"
 
 
-def _providers() -> list[Provider]:
+@hookimpl
+def vllm_port_api_range() -> str:
+    return ">=1.0,<2"
+
+
+@hookimpl
+def vllm_port_platform_describe() -> PlatformDescription:
+    return describe()
+
+
+@hookimpl
+def vllm_port_platform_probe() -> ProbeResult:
+    return probe()
+
+
+@hookimpl
+def vllm_port_providers() -> list[Provider]:
     return ops.PROVIDERS
 
 
-globals().update(
-    platform_hooks(
-        api_range=">=1.0,<2",
-        describe=platform.describe,
-        probe=platform.probe,
-        providers=_providers,
-        allocator=HostAllocator,
-    )
-)
+@hookimpl
+def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
+    return host_allocator() if platform.name == NAME else None
 
 
 @hookimpl
 def vllm_port_settings() -> Mapping[str, Setting]:
     """The CPU plugin's own settings: core checks their values, and strict mode any other VLLM_PORT_CPU_* name."""
     return {native.ENV_SWITCH: Setting("0 keeps the native C kernels off, the torch providers serving", SWITCH_VALUES)}
+
+
+def host_allocator(meminfo_path: str = "/proc/meminfo") -> HostMemoryAllocator:
+    """The CPU platform's device memory: pageable host memory, free and total from ``meminfo_path``."""
+    return HostMemoryAllocator(pinned=False, meminfo=meminfo_path, name="cpu host allocator")

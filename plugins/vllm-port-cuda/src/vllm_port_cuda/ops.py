@@ -62,7 +62,7 @@ def shared_memory_kib(capability: tuple[int, int]) -> int:
 def target_for(capabilities: Sequence[tuple[int, int]]) -> TritonTarget:
     """The Triton target whose tiles fit every device of ``capabilities`` (compute capabilities ``(major, minor)``).
 
-    - sm_90 and newer with Hopper's shared memory: :data:`~vllm_port.kernels.triton.CUDA` (128 x 64 tiles, two
+    - sm_90 and newer with Hopper's shared memory: :data:`~vllm_port_cuda.triton_targets.CUDA` (128 x 64 tiles, two
       programs a multiprocessor, TMA);
     - Ampere data-centre parts (sm_80, sm_87): ``CUDA_AMPERE`` (128 x 64 tiles, row gathers);
     - the rest (consumer Ampere, Ada, consumer Blackwell, Turing): ``CUDA_COMPACT`` (64 x 64 tiles), one stage
@@ -70,7 +70,7 @@ def target_for(capabilities: Sequence[tuple[int, int]]) -> TritonTarget:
 
     No capability known (no GPU seen: the kernels run, if at all, in Triton's interpreter) gives ``CUDA``.
     """
-    from vllm_port.kernels.triton import CUDA, CUDA_AMPERE, CUDA_COMPACT
+    from .triton_targets import CUDA, CUDA_AMPERE, CUDA_COMPACT
 
     if not capabilities:
         return CUDA

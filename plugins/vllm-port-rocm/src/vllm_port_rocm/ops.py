@@ -21,7 +21,8 @@ def providers() -> list[Provider]:
     """
     if importlib.util.find_spec("triton") is None:
         return aiter_ops.providers()
-    from vllm_port.kernels.triton import ROCM
     from vllm_port.kernels.triton import providers as triton_providers
+
+    from .triton_targets import ROCM
 
     return triton_providers(ROCM, TRITON_PRIORITY) + aiter_ops.providers()

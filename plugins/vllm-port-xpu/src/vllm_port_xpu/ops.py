@@ -21,7 +21,8 @@ def providers() -> list[Provider]:
     """
     if importlib.util.find_spec("triton") is None:
         return ipex_ops.providers()
-    from vllm_port.kernels.triton import XPU
     from vllm_port.kernels.triton import providers as triton_providers
+
+    from .triton_targets import XPU
 
     return triton_providers(XPU, TRITON_PRIORITY) + ipex_ops.providers()

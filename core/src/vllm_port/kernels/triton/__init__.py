@@ -3,7 +3,9 @@
 Each module holds the kernels of a family of ops and a class whose methods are the providers
 (a bound method's signature is exactly the op reference's, so registration checks it like any
 other). ``providers(target, priority)`` gives a plugin every Triton provider configured for its
-hardware; a class with a ``supports(ctx)`` method gives its providers that bind-time predicate.
+hardware, by the :class:`TritonTarget` the plugin keeps (``vllm_port_cuda.triton_targets``...;
+the type lives in :mod:`vllm_port.kernels.triton_target`, re-exported here); a class with a
+``supports(ctx)`` method gives its providers that bind-time predicate.
 ``swap_blocks`` (``swap.py``) is no op's provider: the migrator's one-launch block copy between tiers.
 Importing this package imports ``triton``.
 """
@@ -11,16 +13,11 @@ Importing this package imports ``triton``.
 from __future__ import annotations
 
 from ...ops import FLOAT_DTYPES, Provider
+from ..triton_target import INTERPRETER, LinearTiles, TritonTarget
 from .swap import swap_blocks
-from .target import CUDA, CUDA_AMPERE, CUDA_COMPACT, INTERPRETER, ROCM, XPU, LinearTiles, TritonTarget
 
 __all__ = [
-    "CUDA",
-    "CUDA_AMPERE",
-    "CUDA_COMPACT",
     "INTERPRETER",
-    "ROCM",
-    "XPU",
     "LinearTiles",
     "TritonTarget",
     "kernel_classes",

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ...ops.activation import check_gated, check_gelu_and_mul
-from .target import TritonTarget
+from ..triton_target import TritonTarget
 
 __all__ = ["ActivationKernels"]
 

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ...device_properties import compute_units
 from ...ops.attention import check_paged_attention, check_prefill_attention
-from .target import PREFILL_ORDERS, TritonTarget
+from ..triton_target import PREFILL_ORDERS, TritonTarget
 
 __all__ = ["AttentionKernels"]
 

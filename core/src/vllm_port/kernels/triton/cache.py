@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ...ops.attention import check_reshape_and_cache
-from .target import TritonTarget
+from ..triton_target import TritonTarget
 
 __all__ = ["CacheKernels"]
 

@@ -28,7 +28,7 @@ import triton.language as tl
 from ...device_properties import compute_units
 from ...ops import BindContext
 from ...ops.linear import check_linear
-from .target import LinearTiles, TritonTarget
+from ..triton_target import LinearTiles, TritonTarget
 
 __all__ = ["LinearKernels"]
 

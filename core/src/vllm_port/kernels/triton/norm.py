@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...ops.norm import check_fused_add_rms_norm, check_rms_norm
-from .target import TritonTarget
+from ..triton_target import TritonTarget
 
 __all__ = ["NormKernels"]
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...ops.rotary import check_rotary_embedding
-from .target import TritonTarget
+from ..triton_target import TritonTarget
 
 __all__ = ["RotaryKernels"]
 

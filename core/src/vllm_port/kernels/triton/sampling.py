@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ...device_properties import compute_units
 from ...ops.sampling import check_sample
-from .target import TritonTarget
+from ..triton_target import TritonTarget
 
 __all__ = ["SamplingKernels"]
 

@@ -1,25 +1,18 @@
 """Launch choices of one GPU family for the shared Triton kernels.
 
-The kernels are written once; a plugin passes the :class:`TritonTarget` of its hardware, and each
-launcher derives block sizes, warps and pipeline stages from it. A vendor tunes its target, not
-the kernels.
+The kernels (:mod:`vllm_port.kernels.triton`) are written once; a plugin passes the
+:class:`TritonTarget` of its hardware, and each launcher derives block sizes, warps and pipeline
+stages from it. A vendor tunes its target, not the kernels, and keeps it in its plugin
+(``vllm_port_cuda.triton_targets``, ``vllm_port_rocm.triton_targets``, ``vllm_port_xpu.triton_targets``);
+core keeps only the :data:`INTERPRETER` target of the CPU-interpreter tests. Plain data, outside
+``kernels.triton``, so that a plugin states its targets without Triton installed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = [
-    "CUDA",
-    "CUDA_AMPERE",
-    "CUDA_COMPACT",
-    "INTERPRETER",
-    "PREFILL_ORDERS",
-    "ROCM",
-    "XPU",
-    "LinearTiles",
-    "TritonTarget",
-]
+__all__ = ["INTERPRETER", "PREFILL_ORDERS", "LinearTiles", "TritonTarget"]
 
 
 #: The launch orders prefill attention knows (``TritonTarget.prefill_order``).
@@ -108,80 +101,6 @@ class TritonTarget:
             )
 
 
-#: NVIDIA Hopper and newer data-centre parts (sm_90, sm_100: 227 KiB of shared memory a block, TMA); the CUDA plugin picks it by compute capability (``vllm_port_cuda.ops.target_for``).
-#: Element-wise blocks of 2048 measured best on an H200 (dev/tune_elementwise.py). ``linear`` (the defaults
-#: above, chosen from first principles until dev/tune_linear.py measures them): 256 bfloat16 of a weight row
-#: per step (a 16-byte vector per thread), 32 weight rows per program, 3 weight tiles of 16 KiB in flight,
-#: and the reduction split only where fewer than 4 programs per multiprocessor would run.
-#: Until that measurement, ``linear`` stays with cuBLAS on CUDA too (``linear_max_rows=0``): a kernel
-#: binds by default only where it has been measured faster than the library it replaces.
-#: Attention (dev/tune_attention.py and dev/probe_hopper.py on an H200, docs/results/attention-h200.md): prefill
-#: takes 128 x 64 tiles over 4 warps, 2 stages (Q 32 KiB + 2 x 32 KiB of K/V for bf16 x 128: two programs share
-#: an SM, one's softmax overlapping the other's MMAs), with TMA where a key tile lies inside one cache block (the
-#: platform's 128-token blocks), every head's heaviest query block launched first (8k tokens: 1,095 us against
-#: 1,173 for 128 x 128 tiles over 8 warps one head at a time); decode streams 64-key tiles over 4 warps, 2 stages
-#: deep, splits each sequence's keys until about 8 programs per SM run, each split at least 8 tiles (1 x 32k:
-#: 64 splits).
-CUDA = TritonTarget(
-    "cuda",
-    elementwise_block=2048,
-    attn_block_m=128,
-    attn_block_n=64,
-    attn_warps=4,
-    attn_stages=2,
-    decode_block_n=64,
-    decode_warps=4,
-    decode_stages=2,
-    decode_programs_per_sm=8,
-    decode_min_tiles_per_split=8,
-    decode_tma=True,
-    prefill_tma=True,
-    prefill_order="all_heads",
-    linear_max_rows=0,
-)
-#: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
-#: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:
-#: Q 32 KiB + 3 x 32 KiB of K/V for bf16 x 128), gathering K/V rows with cp.async.
-CUDA_AMPERE = TritonTarget("cuda-ampere", elementwise_block=2048, linear_max_rows=0)
-#: NVIDIA parts with at most 99 KiB of shared memory a block (sm_86, sm_89, sm_120: consumer Ampere, Ada,
-#: consumer Blackwell): 64 x 64 prefill tiles over 4 warps, 2 stages (16 + 2 x 32 KiB for bf16 x 128). The CUDA
-#: plugin drops to one stage where even that does not fit (Turing's 64 KiB).
-CUDA_COMPACT = TritonTarget(
-    "cuda-compact",
-    elementwise_block=2048,
-    attn_block_m=64,
-    attn_block_n=64,
-    attn_warps=4,
-    attn_stages=2,
-    linear_max_rows=0,
-)
-#: AMD CDNA (MI200/MI300): 64-wide wavefronts, shallow pipelines (LDS is smaller than Hopper's shared memory).
-#: ``linear`` stays with hipBLASLt (``linear_max_rows=0``) until the split-K kernel is measured against it;
-#: its tiles are single-buffered to fit 64 KiB of LDS.
-ROCM = TritonTarget(
-    "rocm",
-    warp_size=64,
-    max_warps=16,
-    attn_block_m=128,
-    attn_block_n=64,
-    attn_warps=4,
-    attn_stages=1,
-    linear_max_rows=0,
-    linear_fma=LinearTiles(32, 256, 4, 1),
-    linear_dot=LinearTiles(32, 128, 4, 1),
-)
-#: Intel Data Center GPU Max (Xe-HPC): sub-groups of 16/32, moderate tiles. ``linear`` stays with
-#: oneDNN (``linear_max_rows=0``) until the split-K kernel is measured against it.
-XPU = TritonTarget(
-    "xpu",
-    warp_size=32,
-    max_warps=32,
-    attn_block_m=64,
-    attn_block_n=64,
-    attn_warps=8,
-    attn_stages=2,
-    linear_max_rows=0,
-)
 #: The CPU interpreter (TRITON_INTERPRET=1) used by CI: small tiles keep it fast (and make small
 #: test shapes cross tile edges and split the reduction).
 INTERPRETER = TritonTarget(
