@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_port.memory import FusedSwapMigrator
+from vllm_port.kernels.swap_migrator import FusedSwapMigrator
 from vllm_port.plugin_kit import DeviceAllocator
 
 
