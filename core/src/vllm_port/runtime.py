@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import device_properties
-from .comm import Collectives, Communicator, PointToPoint
+from .comm import Collectives, Communicator, DistContext, PointToPoint, init_from_env
 from .discovery import CORE_PLUGIN, Discovery, PluginRecord, discover, first_result
 from .errors import MemoryContractError, PluginError, SelectionError
 from .faults import fall_back
@@ -295,6 +295,16 @@ class Runtime:
         if coll_plugin != CORE_PLUGIN:
             coll = GuardedCollectives(coll, coll_plugin)
         return Communicator(p2p, coll)
+
+    def init_process_group(self, timeout_s: float = 300.0) -> DistContext:
+        """Join the process group ``torchrun`` set up, with this platform's backend (:func:`vllm_port.comm.init_from_env`).
+
+        The selected platform's probe gives the number of devices on this node, so launching more
+        ranks per node than devices is refused by name.
+        """
+        probe = self.selected.probe
+        return init_from_env(self.platform, timeout_s, probe.device_count if probe is not None else None)
+
 
 
 def load(plugins: str | None = None, device: str | None = None, probe_timeout_s: float | None = None) -> Runtime:
