@@ -160,9 +160,9 @@ def _certify(args: argparse.Namespace) -> int:
 
 
 def _check_repro(args: argparse.Namespace) -> int:
-    from .ops.debug import replay_command
+    from .replay_command import run
 
-    return replay_command(args.file, args.provider)
+    return run(args)
 
 
 def version_text() -> str:
@@ -334,8 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         "check-repro",
         help="replay a reproducer that debug mode (VLLM_PORT_CHECK) wrote: the call, against the reference",
     )
-    check_repro.add_argument("file", help="the reproducer's .json file")
-    check_repro.add_argument("--provider", default=None, help="run this provider instead of the one it names")
+    from .replay_command import add_arguments as add_replay_arguments  # light: no torch
+
+    add_replay_arguments(check_repro)
     check_repro.set_defaults(run=_check_repro)
 
     generate = commands.add_parser("generate", help="generate text with the engine (default: the bundled model)")
