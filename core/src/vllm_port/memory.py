@@ -3,6 +3,8 @@
 The base :class:`Allocator` does the checking and the accounting in its public methods; a vendor
 fills in the primitives ``_alloc``, ``_free`` and ``_mem_info`` (the tinygrad shape). Buffers are
 flat ``torch.uint8`` tensors on the platform's device, so any op can view them with another dtype.
+:class:`TorchMigrator` is core's migrator; the one that swaps in a single Triton launch,
+``FusedSwapMigrator``, stands beside its kernel (:mod:`vllm_port.kernels.swap_migrator`).
 """
 
 from __future__ import annotations
