@@ -86,6 +86,24 @@ def test_init_from_env_refuses_more_ranks_per_node_than_devices(clean_env):
         init_from_env(GPU, 5, device_count=2)
 
 
+def test_init_from_env_takes_a_platform_description_and_names_the_runtime_method(clean_env):
+    runtime = vllm_port.load(plugins="cpu", device="cpu")
+    with pytest.raises(CommInitError, match=r"platform is Runtime, not a PlatformDescription.*init_process_group"):
+        init_from_env(runtime, 5)
+
+
+def test_a_runtime_joins_the_process_group_with_its_platform_and_device_count(clean_env):
+    import vllm_port.runtime as runtime_module
+
+    runtime = vllm_port.load(plugins="cpu", device="cpu")
+    with pytest.raises(CommInitError, match=r"the environment lacks \$RANK"):
+        runtime.init_process_group(5)
+    calls = []
+    clean_env.setattr(runtime_module, "init_from_env", lambda *args: calls.append(args) or "joined")
+    assert runtime.init_process_group(7.5) == "joined"
+    assert calls == [(runtime.platform, 7.5, runtime.selected.probe.device_count)]
+
+
 # -- on 2 gloo ranks: one spawn for the peer-dependent checks, one for a peer that never joins ----
 
 

@@ -79,3 +79,18 @@ def test_env_preferences_reach_binding(monkeypatch):
     monkeypatch.setenv("VLLM_PORT_OP_PROVIDERS", "rms_norm")
     with pytest.raises(SelectionError, match="op=provider pairs"):
         vllm_port.load(plugins="cpu").bind(torch.float32)
+
+
+def test_the_registry_only_resolves_and_the_runtime_decides_what_wraps_the_providers(monkeypatch):
+    import vllm_port
+    from vllm_port.ops.debug import CheckedOp
+
+    monkeypatch.setenv("VLLM_PORT_CHECK", "1")  # debug mode is the runtime's business, never the registry's
+    runtime = vllm_port.load(plugins="cpu", device="cpu")
+    resolved = runtime.registry.bind(runtime.bind_context(torch.float32))
+    assert all(getattr(resolved, op) is p.fn for op, p in resolved.providers.items())  # the providers' own functions
+    checked = runtime.bind(torch.float32)
+    assert isinstance(checked.rms_norm, CheckedOp) and checked.providers == resolved.providers
+    traced = runtime.bind(torch.float32, traceable=True)  # custom ops for torch.compile, left unchecked
+    assert type(traced.rms_norm).__name__ == "CustomOpDef" and traced.rms_norm is traced.providers["rms_norm"].fn
+    assert traced.candidates == resolved.candidates and traced.rms_norm._init_fn is resolved.rms_norm

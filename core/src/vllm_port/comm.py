@@ -37,7 +37,7 @@ import datetime
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,10 +50,7 @@ from .errors import (
     CommShapeMismatchError,
     CommTimeoutError,
 )
-
-if TYPE_CHECKING:
-    from .platform import PlatformDescription
-    from .runtime import Runtime
+from .platform import PlatformDescription
 
 __all__ = [
     "COLLECTIVE_CALLS",
@@ -446,7 +443,7 @@ def _env_int(name: str, value: str) -> int:
 
 
 def init_from_env(
-    platform: Runtime | PlatformDescription, timeout_s: float = 300.0, device_count: int | None = None
+    platform: PlatformDescription, timeout_s: float = 300.0, device_count: int | None = None
 ) -> DistContext:
     """Initialise the default process group from ``torchrun``'s environment.
 
@@ -455,15 +452,20 @@ def init_from_env(
     platform's ``dist_backend`` and ``timeout_s`` as the process-group timeout, so a rank that never
     joins a call ends in :class:`~vllm_port.errors.CommTimeoutError` rather than a hang.
 
-    :param platform: the runtime (its probe gives the device count) or a platform description.
-    :param device_count: devices on this node, when ``platform`` is a bare description.
-    :raises CommInitError: the environment is incomplete, or more ranks per node than devices
-        (non-CPU platforms).
+    A selected runtime calls this with its platform and its probe's device count:
+    :meth:`vllm_port.runtime.Runtime.init_process_group`.
+
+    :param platform: the platform's description (its device type and ``dist_backend``).
+    :param device_count: devices on this node (``None``: unknown, not checked).
+    :raises CommInitError: ``platform`` is no platform description, the environment is incomplete,
+        or more ranks per node than devices (non-CPU platforms).
     """
-    desc = platform if not hasattr(platform, "platform") else platform.platform  # type: ignore[union-attr]
-    if device_count is None and hasattr(platform, "selected"):
-        probe = platform.selected.probe  # type: ignore[union-attr]
-        device_count = probe.device_count if probe is not None else None
+    if not isinstance(platform, PlatformDescription):
+        raise CommInitError(
+            f"init_from_env: platform is {type(platform).__name__}, not a PlatformDescription; pass "
+            "runtime.platform (and device_count), or call runtime.init_process_group(timeout_s)"
+        )
+    desc = platform
     missing = [n for n in _ENV if not os.environ.get(n)]
     if missing:
         raise CommInitError(

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
     from .comm import Collectives, PointToPoint
     from .faults import Setting
-    from .flat.passes import GraphPass
     from .graph_capture import GraphCapture
+    from .graph_pass import GraphPass
     from .memory import Allocator, BlockPoolFactory, Migrator
     from .ops import Provider
     from .platform import PlatformDescription, ProbeResult
@@ -204,7 +204,7 @@ def vllm_port_collectives(platform: PlatformDescription) -> Collectives | None:
 def vllm_port_graph_passes(platform: PlatformDescription) -> list[GraphPass] | None:
     """Contribute rewrites of flat graphs (fusions of this plugin's own, or substitutions its kernels pay for).
 
-    A pass is a :class:`vllm_port.flat.passes.GraphPass`: a name and ``fn(module, context) -> int``
+    A pass is a :class:`vllm_port.graph_pass.GraphPass`: a name and ``fn(module, context) -> int``
     that rewrites the aten-level ``torch.fx`` graph in place and returns how many times it fired.
     ``context.ops`` maps each contract op to the custom op a new node should call, so a pass builds
     contract nodes bound to the platform's providers; a pass may also insert the plugin's own

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import device_properties
-from .comm import Collectives, Communicator, PointToPoint
+from .comm import Collectives, Communicator, DistContext, PointToPoint, init_from_env
 from .discovery import CORE_PLUGIN, Discovery, PluginRecord, discover, first_result
 from .errors import MemoryContractError, PluginError, SelectionError
 from .faults import fall_back
@@ -26,12 +25,10 @@ from .graph_capture import GraphCapture
 from .guards import GuardedCollectives, GuardedPointToPoint, mem_info_problem
 from .memory import Allocator, BlockPoolFactory, HostMemoryAllocator, KVCache, KVLayout, Migrator, default_allocator
 from .ops import BindContext, BoundOps, OpRegistry
-from .ops.debug import check_config
+from .ops._custom import as_custom_ops
+from .ops.debug import CheckConfig, check_config, checked_ops
 from .platform import PlatformDescription
 from .reclaimer import DefaultReclaimer, Reclaimer
-
-if TYPE_CHECKING:
-    from .ops.debug import CheckConfig
 
 __all__ = ["Runtime", "load", "parse_provider_preferences", "select"]
 
@@ -145,17 +142,24 @@ class Runtime:
         """Resolve every op once for ``dtype`` on the selected platform.
 
         :param prefer: op -> provider name overrides; ``VLLM_PORT_OP_PROVIDERS`` is read when ``None``.
-        :param traceable: bind custom-op wrappers for ``torch.compile(fullgraph=True)``.
+        Binding is decided here: the registry resolves each op to a provider; this wraps the
+        chosen functions as custom ops (``traceable``) or in debug mode's checks (``check``).
+
+        :param traceable: bind custom-op wrappers for ``torch.compile(fullgraph=True)``
+            (:func:`~vllm_port.ops._custom.as_custom_ops`); debug mode leaves such a binding unchecked.
         :param verify: smoke-check every candidate first and skip those that fail (``vllm-port doctor`` does).
         :param check: debug mode's settings; ``VLLM_PORT_CHECK`` is read when ``None``; ``False``: off.
+            On, every op is a :class:`~vllm_port.ops.debug.CheckedOp` (:func:`~vllm_port.ops.debug.checked_ops`).
         :param strict: refuse every fallback; ``VLLM_PORT_STRICT`` is read when ``None``.
         """
         if prefer is None:
             prefer = parse_provider_preferences(os.environ.get(PROVIDERS_ENV))
         config = check_config() if check is None else (check or None)
-        return self.registry.bind(
-            self.bind_context(dtype), prefer, traceable, verify=verify, check=config, device=self.device, strict=strict
-        )
+        verify_on = self.device if verify else None
+        kernels = self.registry.bind(self.bind_context(dtype), prefer, verify_on=verify_on, strict=strict)
+        if traceable:  # a compiled graph calls the custom ops, never debug mode's wrappers
+            return as_custom_ops(kernels, self.registry.ops)
+        return kernels if config is None else checked_ops(kernels, self.registry.ops, config)
 
     def allocator(self, tier: str = "device") -> Allocator:
         """The allocator of one of the selected platform's memory tiers; the same object on every call.
@@ -297,6 +301,15 @@ class Runtime:
         if coll_plugin != CORE_PLUGIN:
             coll = GuardedCollectives(coll, coll_plugin)
         return Communicator(p2p, coll)
+
+    def init_process_group(self, timeout_s: float = 300.0) -> DistContext:
+        """Join the process group ``torchrun`` set up, with this platform's backend (:func:`vllm_port.comm.init_from_env`).
+
+        The selected platform's probe gives the number of devices on this node, so launching more
+        ranks per node than devices is refused by name.
+        """
+        probe = self.selected.probe
+        return init_from_env(self.platform, timeout_s, probe.device_count if probe is not None else None)
 
 
 def load(plugins: str | None = None, device: str | None = None, probe_timeout_s: float | None = None) -> Runtime:

@@ -69,7 +69,7 @@ def measure_engine(rounds: int, rate: str = "on") -> dict[str, Any]:
     import tempfile
     import time
 
-    import vllm_port.ops.debug as debug
+    import vllm_port.ops._checked as debug  # where CheckedOp looks the comparison up
     from vllm_port import LLM, SamplingParams
     from vllm_port.bench import engine as bench_engine
 

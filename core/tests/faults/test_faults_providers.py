@@ -146,10 +146,10 @@ def test_strict_debug_mode_stops_with_the_reproducer_instead_of_quarantining(fau
 
 
 def test_which_calls_debug_mode_compares_follows_the_seed(faulty_runtime, tmp_path, monkeypatch):
-    import vllm_port.ops.debug as debug
+    import vllm_port.ops._checked as checked  # where CheckedOp looks the comparison up
 
     compared: list[int] = []
-    monkeypatch.setattr(debug, "compare_with_reference", lambda *args: compared.append(len(compared)) or None)
+    monkeypatch.setattr(checked, "compare_with_reference", lambda *args: compared.append(len(compared)) or None)
     runtime = faulty_runtime("slow")
     x, w = inputs()
 

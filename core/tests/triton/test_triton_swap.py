@@ -15,10 +15,10 @@ import torch
 
 from vllm_port.bench import swap as bench_swap
 from vllm_port.errors import MemoryContractError, StrictModeError
+from vllm_port.kernels.swap_migrator import FusedSwapMigrator
 from vllm_port.kernels.triton import swap
 from vllm_port.kernels.triton.swap import plan_block_copy, swap_blocks
 from vllm_port.memory import (
-    FusedSwapMigrator,
     HostMemoryAllocator,
     KVCache,
     KVLayout,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vllm_port.memory import FusedSwapMigrator
+from vllm_port.kernels.swap_migrator import FusedSwapMigrator
 from vllm_port_cuda import plugin
 from vllm_port_cuda.platform import describe
 

@@ -13,7 +13,7 @@ Key/value heads: with ``num_kv_heads`` divisible by the ranks each rank caches i
 heads than ranks (ranks a multiple of them) each rank keeps the one its query heads read.
 
 Processes: ``LLM(tensor_parallel_size=n)`` spawns ``n`` worker processes on this host, each one rank
-of the platform's process group (:func:`vllm_port.comm.init_from_env`), with its runner and cache.
+of the platform's process group (:meth:`vllm_port.runtime.Runtime.init_process_group`), with its runner and cache.
 The scheduler stays in the caller's process and keeps the books of one block pool for all ranks
 (each rank's cache has at least as many blocks); every step's :class:`StepBatch` goes to every
 rank through a queue, and rank 0 sends back the sampled ids.
@@ -177,14 +177,13 @@ def _worker(
     )
     try:
         import vllm_port
-        from vllm_port.comm import init_from_env
 
         from .runner import ModelRunner
 
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])
         runtime = vllm_port.load(spec["plugins"], spec["platform"])
-        ctx = init_from_env(runtime, spec["timeout_s"])
+        ctx = runtime.init_process_group(spec["timeout_s"])
         runner_kwargs = dict(spec["runner"])
         max_positions = runner_kwargs.pop("max_positions", None)  # the shard is loaded here, with its rotary table
         model = load_shard(spec["model_dir"], ctx.device, spec["dtype"], rank, world_size, max_positions)

@@ -12,56 +12,27 @@ it fired. Core's passes:
 
 Passes are plain substitutions of contract ops, so the rewritten graph runs eagerly with the
 bound kernels as well as under ``torch.compile``. Plugins add their own through the
-``vllm_port_graph_passes`` hook; they run after core's.
+``vllm_port_graph_passes`` hook; they run after core's. A pass and its context
+(:class:`GraphPass`, :class:`PassContext`) are the contract's vocabulary, defined on the ground floor
+in :mod:`vllm_port.graph_pass` and re-exported here.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..errors import PluginError
+from ..graph_pass import GraphPass, PassContext
 from .flat_graph import FlatGraph, contract_op, copy_module, op_targets
 
 __all__ = ["GraphPass", "PassContext", "apply_passes", "core_passes", "plugin_passes", "run_passes"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class PassContext:
-    """What a pass may use besides the graph.
-
-    Attributes:
-        ops: contract op name -> the custom op a new node calls (the providers bound for this
-            platform and dtype; see :func:`vllm_port.flat.flat_graph.op_targets`).
-        platform: the platform's name.
-        dtype: the dtype the ops were bound for.
-    """
-
-    ops: Mapping[str, Any]
-    platform: str = ""
-    dtype: torch.dtype = torch.float32
-
-
-@dataclass(frozen=True)
-class GraphPass:
-    """A rewrite of flat graphs: ``fn(module, context) -> times fired``.
-
-    Attributes:
-        name: how the fusion is reported (``vllm-port inspect``, ``FlatGraph.fusions``).
-        fn: rewrites ``module.graph`` in place and returns how many times it fired (0: untouched).
-        plugin: who contributed it (set by core for plugin passes).
-    """
-
-    name: str
-    fn: Callable[[fx.GraphModule, PassContext], int]
-    plugin: str = field(default="vllm-port", compare=False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ See docs/importer.md.
 
 from __future__ import annotations
 
-from ._rewrite import Mapped, PieceReport
+from ._piece import Mapped, PieceReport
 from ._trace import ATTENTION_IMPLEMENTATION, ImporterError
 from .imported_model import ImportedConfig, ImportedModel, ImportReport, import_model
 

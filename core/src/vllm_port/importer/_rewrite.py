@@ -22,7 +22,6 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,100 +50,22 @@ from ._graph import (
     through_casts,
     traced_value,
 )
+from ._piece import PieceReport, RewriteSite
 from ._rotary import rewrite_rotaries
 from ._rows import carry_rows
 from ._trace import ImporterError, attention_marker
 
-__all__ = ["Mapped", "PieceReport", "rewrite_piece"]
+__all__ = ["rewrite_piece"]
 
 A = torch.ops.aten
 _MARKER = attention_marker._opoverload
 
 
-# --- the report ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Mapped:
-    """One recognised subgraph: what it computes, the contract ops that now compute it, the nodes it replaced."""
-
-    piece: str
-    pattern: str
-    ops: tuple[str, ...]
-    replaced: tuple[str, ...]
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "piece": self.piece,
-            "pattern": self.pattern,
-            "ops": list(self.ops),
-            "replaced": list(self.replaced),
-            "detail": self.detail,
-        }
-
-
-@dataclass
-class PieceReport:
-    """A piece after the rewrite: its recognised subgraphs, and its nodes that stay native torch (views apart).
-
-    ``native`` entries are ``{"piece", "node", "op"}``; a dtype cast adds ``"cast": "float32 -> bfloat16"``.
-    ``views`` counts the layout nodes (and casts to the dtype a tensor already has).
-    """
-
-    piece: str
-    mapped: list[Mapped] = field(default_factory=list)
-    native: list[dict[str, str]] = field(default_factory=list)
-    views: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
 # --- the rewriter ----------------------------------------------------------------------------------
 
 
-class _Rewriter:
-    def __init__(
-        self,
-        gm: fx.GraphModule,
-        piece: str,
-        names: Mapping[int, str],
-        rotary_table: torch.Tensor | None,
-        inputs: dict[str, fx.Node],
-        who: str,
-    ) -> None:
-        self.gm, self.graph, self.piece, self.names, self.who = gm, gm.graph, piece, names, who
-        self.rotary_table = rotary_table
-        self.inputs = inputs  # added placeholders: ops, positions, key_cache, value_cache, meta
-        self.report = PieceReport(piece)
-        self._fresh_attr = 0
-
-    # helpers
-    def order(self) -> dict[fx.Node, int]:
-        return {n: i for i, n in enumerate(self.graph.nodes)}
-
-    def attr(self, node: Any) -> torch.Tensor | None:
-        if isinstance(node, fx.Node) and node.op == "get_attr":
-            value = getattr(self.gm, str(node.target), None)
-            return value if isinstance(value, torch.Tensor) else None
-        return None
-
-    def name(self, node: fx.Node) -> str:
-        tensor = self.attr(node)
-        return self.names.get(id(tensor), str(node.target)) if tensor is not None else node.name
-
-    def new_attr(self, tensor: torch.Tensor, name: str) -> fx.Node:
-        self._fresh_attr += 1
-        target = f"_imported_{self._fresh_attr}"
-        self.gm.register_buffer(target, tensor, persistent=True)
-        self.names = {**self.names, id(tensor): name}
-        return self.graph.get_attr(target)
-
-    def map(self, pattern: str, ops: tuple[str, ...], nodes: list[fx.Node], detail: str) -> None:
-        self.report.mapped.append(Mapped(self.piece, pattern, ops, tuple(n.name for n in nodes), detail))
-
-    @staticmethod
-    def only_read_by(node: fx.Node, allowed: set[fx.Node]) -> bool:
-        return set(node.users) <= allowed
+class _Rewriter(RewriteSite):
+    """The rewrite of one piece: simplification, folding, then each pattern in turn."""
 
     # simplification ---------------------------------------------------------------------------------
     def simplify(self) -> None:

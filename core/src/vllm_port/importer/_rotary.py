@@ -18,14 +18,14 @@ from ._contract import contract_rotary
 from ._graph import as_int, is_call, ndim, other_operand, replace_node, through_casts, traced_value, writable
 
 if TYPE_CHECKING:
-    from ._rewrite import _Rewriter
+    from ._piece import RewriteSite
 
 __all__ = ["rewrite_rotaries"]
 
 A = torch.ops.aten
 
 
-def rewrite_rotaries(rw: _Rewriter, cos: fx.Node | None, sin: fx.Node | None) -> None:
+def rewrite_rotaries(rw: RewriteSite, cos: fx.Node | None, sin: fx.Node | None) -> None:
     """Replace each pair of rotary embeddings over the ``cos``/``sin`` inputs with one ``contract_rotary`` call."""
     if cos is None or sin is None:
         return
@@ -55,7 +55,7 @@ def _table_input(node: Any, placeholder: fx.Node) -> int | None:
     return node.args[1] % (ndim(src) + 1)
 
 
-def _match(rw: _Rewriter, cat: fx.Node, cos: fx.Node, sin: fx.Node) -> tuple | None:
+def _match(rw: RewriteSite, cat: fx.Node, cos: fx.Node, sin: fx.Node) -> tuple | None:
     """``(x, the final add, heads dim, the pattern's nodes)`` when ``cat`` is the rotate-half of a rotary on ``x``."""
     parts = cat.args[0]
     if len(parts) != 2 or not is_call(parts[0], A.neg.default):
@@ -100,7 +100,7 @@ def _match(rw: _Rewriter, cat: fx.Node, cos: fx.Node, sin: fx.Node) -> tuple | N
     return x, add, heads, [lo, hi, neg, cat, mul_s, mul_c, add]
 
 
-def _pair(rw: _Rewriter, first: tuple, second: tuple) -> None:
+def _pair(rw: RewriteSite, first: tuple, second: tuple) -> None:
     """One ``rotary_embedding`` call for two matches (q and k), in place where ``writable`` proves it safe."""
     (xa, add_a, heads_a, nodes_a), (xb, add_b, heads_b, nodes_b) = first, second
     order = rw.order()

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..models import AttentionMetadata
 from ._trace import ImporterError
-
-if TYPE_CHECKING:
-    from .imported_model import ImportedModel
 
 __all__ = ["TIE_MARGIN", "VERIFY_TOKENS", "VERIFY_TOLERANCE", "check_windows", "verify_import"]
 
@@ -37,6 +34,28 @@ TIE_MARGIN = {torch.float32: 3e-4, torch.float64: 1e-8, torch.bfloat16: 4e-2, to
 VERIFY_TOKENS = 12
 #: The layer types of ``config.layer_types`` the importer knows, and whether each uses the window.
 _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+class ModelUnderCheck(Protocol):
+    """What the import check runs: :class:`vllm_port.importer.ImportedModel`'s interface, as the engine calls it.
+
+    Named here by what it does, so the check never imports the module that calls it.
+    """
+
+    @property
+    def config(self) -> Any: ...  # an ImportedConfig: sizes, vocabulary, architecture
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def forward(
+        self, ops: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def check_windows(who: str, config: Any, windows: Sequence[int]) -> None:
@@ -78,7 +97,7 @@ def check_windows(who: str, config: Any, windows: Sequence[int]) -> None:
             )
 
 
-def verify_import(model: ImportedModel, hf_model: torch.nn.Module, runtime: Any) -> float:
+def verify_import(model: ModelUnderCheck, hf_model: torch.nn.Module, runtime: Any) -> float:
     """Prefill ``VERIFY_TOKENS - 1`` tokens and decode one with ``model``; compare with ``hf_model`` on the same ids.
 
     :returns: the larger relative logit error of the two phases.
@@ -104,7 +123,7 @@ def verify_import(model: ImportedModel, hf_model: torch.nn.Module, runtime: Any)
     return max(errors.values())
 
 
-def _run_imported(model: ImportedModel, runtime: Any, ids: torch.Tensor) -> torch.Tensor:
+def _run_imported(model: ModelUnderCheck, runtime: Any, ids: torch.Tensor) -> torch.Tensor:
     """Logits of ``ids`` from the imported model: all but the last in one prefill, the last in a decode step."""
     c, device, n = model.config, model.device, ids.shape[0]
     ops = runtime.bind(model.dtype)
@@ -130,7 +149,7 @@ def _run_imported(model: ImportedModel, runtime: Any, ids: torch.Tensor) -> torc
 
 
 def _refusal(
-    model: ImportedModel, runtime: Any, n: int, errors: dict[str, float], tolerance: float, flipped: list[int]
+    model: ModelUnderCheck, runtime: Any, n: int, errors: dict[str, float], tolerance: float, flipped: list[int]
 ) -> str:
     dtype = str(model.dtype).removeprefix("torch.")
     platform = runtime.platform.name

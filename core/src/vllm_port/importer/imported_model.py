@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ._rewrite import Mapped, PieceReport, rewrite_piece
+from ._piece import Mapped, PieceReport
+from ._rewrite import rewrite_piece
 from ._trace import EXAMPLE_TOKENS, ImporterError, attention_seam, trace_piece
 from ._verify import check_windows, verify_import
 

@@ -13,7 +13,8 @@ here: ``check_rms_norm`` and the like), so it refuses exactly what the reference
 from __future__ import annotations
 
 from ._op import ErrorInput, IndexedTable, Op, SampleInput, Tolerance, Variants
-from ._registry import FLOAT_DTYPES, REFERENCE, BindContext, BoundOps, OpRegistry, Provider, provider
+from ._provider import FLOAT_DTYPES, REFERENCE, BindContext, Provider, provider
+from ._registry import BoundOps, OpRegistry
 from .activation import gelu_and_mul, silu_and_mul
 from .attention import paged_attention, prefill_attention, reshape_and_cache
 from .checks import (

@@ -3,21 +3,23 @@
 Each provider becomes its own op, ``vllm_port::<op>__<plugin>__<provider>``, with the schema of the
 op reference, the op's mutated arguments and the op's fake implementation. Eager code does not
 need the wrapper (it costs tens of microseconds per call on CPU, see docs/results/dispatch-cpu.md);
-``Runtime.bind(dtype, traceable=True)`` hands it out for compiled models.
+``Runtime.bind(dtype, traceable=True)`` hands it out for compiled models (:func:`as_custom_ops`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ._op import Op
-from ._registry import Provider
+from ._provider import Provider
+from ._registry import BoundOps
 
-__all__ = ["as_custom_op"]
+__all__ = ["as_custom_op", "as_custom_ops"]
 
 _LIBRARY = "vllm_port"
 _made: dict[str, Callable[..., Any]] = {}
@@ -38,3 +40,11 @@ def as_custom_op(op: Op, provider: Provider) -> Callable[..., Any]:
         custom.register_fake(op.fake)
         _made[qualname] = custom
     return _made[qualname]
+
+
+def as_custom_ops(kernels: BoundOps, ops: Mapping[str, Op]) -> BoundOps:
+    """``kernels`` with every chosen provider called through its custom op; what binding recorded is kept."""
+    chosen = {name: replace(p, fn=as_custom_op(ops[name], p)) for name, p in kernels.providers.items()}
+    return BoundOps(
+        kernels.context, chosen, candidates=kernels.candidates, skipped=kernels.skipped, fallbacks=kernels.fallbacks
+    )

@@ -1,105 +1,50 @@
-"""Providers, the registry that checks them, and binding: each op resolved once to one function.
+"""The registry that checks providers, and binding: each op resolved once to one function.
 
-A provider is a function that honours an op's contract, with a name, a priority and a support
-predicate. Registration refuses a provider whose signature differs from the op's reference.
-Binding picks, for one platform and dtype, the supported provider of highest priority for every
-op, with the reference last. The result, :class:`BoundOps`, holds the chosen functions as plain
-attributes: calling ``kernels.rms_norm(...)`` is one attribute load and a call, nothing more.
+Registration refuses a provider whose signature differs from the op's reference. Binding picks,
+for one platform and dtype, the supported provider of highest priority for every op, with the
+reference last. The result, :class:`BoundOps`, holds the chosen functions as plain attributes:
+calling ``kernels.rms_norm(...)`` is one attribute load and a call, nothing more.
 
 Where binding falls back on its own (a candidate whose support predicate raises, one that fails its
-smoke check under ``verify=True`` or was quarantined in this process, the reference serving an op
-the platform's providers do not cover), it records why in ``BoundOps.skipped`` and
-``BoundOps.fallbacks``; strict mode (:mod:`vllm_port.faults`) refuses instead. Debug mode
-(``check=``, :mod:`vllm_port.ops.debug`) binds checking wrappers in place of the bare functions.
+smoke check, :mod:`vllm_port.ops._smoke`, or was quarantined in this process, the reference serving
+an op the platform's providers do not cover), it records why in ``BoundOps.skipped`` and
+``BoundOps.fallbacks``; strict mode (:mod:`vllm_port.faults`) refuses instead.
+
+The registry only resolves. What the chosen functions are wrapped in is decided where binding is
+(``Runtime.bind``): custom ops for ``torch.compile`` (:mod:`vllm_port.ops._custom`), or debug
+mode's checking wrappers (:mod:`vllm_port.ops.debug`), which quarantine a provider found at fault
+in the table kept here, so that no later bind of this process chooses it.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from ..errors import ProviderError, ProviderRejectedError, SelectionError
 from ..faults import fall_back, strict_mode
 from ._op import Op
+from ._provider import ANY_PLATFORM, FLOAT_DTYPES, REFERENCE, BindContext, Provider, provider, who
+from ._smoke import smoke_check
 
-if TYPE_CHECKING:
-    from .debug import CheckConfig
+__all__ = [
+    "FLOAT_DTYPES",
+    "REFERENCE",
+    "BindContext",
+    "BoundOps",
+    "OpRegistry",
+    "Provider",
+    "clear_quarantine",
+    "provider",
+    "quarantine",
+    "quarantined",
+]
 
-__all__ = ["FLOAT_DTYPES", "REFERENCE", "BindContext", "BoundOps", "OpRegistry", "Provider", "provider"]
-
-#: The name of the reference provider every op has.
-REFERENCE = "reference"
-FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _REFERENCE_PRIORITY = -(2**31)
-_ANY_PLATFORM = "*"
-
-
-@dataclass(frozen=True)
-class BindContext:
-    """What binding knows when it asks a provider whether it supports the run ahead."""
-
-    platform: str
-    device_type: str
-    dtype: torch.dtype
-    capabilities: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Provider:
-    """An implementation of one op.
-
-    Attributes:
-        op: the op's name.
-        name: the provider's name, unique per op (``"cpu_rms_norm"``, ``"triton_rms_norm"``).
-        fn: the implementation; its signature must equal the op reference's.
-        priority: higher is preferred; the reference has the lowest possible.
-        dtypes: the dtypes it claims; conformance checks each claim.
-        supports: optional predicate on the bind context (capabilities, platform) for finer limits.
-        platform: the platform it runs on; by default the registering plugin's platform.
-        plugin: the plugin that registered it (set by the registry).
-        equivalence: for an op whose outputs are random draws (``sample``), how conformance
-            compares them with the reference's: ``"bitwise"`` (the default) reproduces the
-            reference's draws from the per-request seeds; ``"statistical"`` (a sampler with the
-            device's own generator) draws from the reference's distribution, checked by a
-            goodness-of-fit test, and must still be reproducible per request seed. See
-            :mod:`vllm_port.ops.sampling`. Ops with deterministic outputs ignore it.
-    """
-
-    op: str
-    name: str
-    fn: Callable[..., Any]
-    priority: int = 0
-    dtypes: frozenset[torch.dtype] = FLOAT_DTYPES
-    supports: Callable[[BindContext], bool] | None = None
-    platform: str = ""
-    plugin: str = ""
-    equivalence: Literal["bitwise", "statistical"] = "bitwise"
-
-    def is_supported(self, ctx: BindContext) -> bool:
-        """Whether this provider can serve the bind context (platform, dtype, predicate)."""
-        if self.platform not in (ctx.platform, _ANY_PLATFORM) or ctx.dtype not in self.dtypes:
-            return False
-        return self.supports is None or bool(self.supports(ctx))
-
-
-def provider(
-    op: str,
-    *,
-    name: str | None = None,
-    priority: int = 0,
-    dtypes: Iterable[torch.dtype] = FLOAT_DTYPES,
-    supports: Callable[[BindContext], bool] | None = None,
-) -> Callable[[Callable[..., Any]], Provider]:
-    """Decorator that turns a function into a :class:`Provider` of ``op`` (named after the function)."""
-
-    def wrap(fn: Callable[..., Any]) -> Provider:
-        return Provider(op, name or fn.__name__, fn, priority, frozenset(dtypes), supports)
-
-    return wrap
 
 
 class BoundOps:
@@ -146,7 +91,7 @@ class OpRegistry:
         self._providers: dict[str, list[Provider]] = {
             op.name: [
                 Provider(
-                    op.name, REFERENCE, op.reference, _REFERENCE_PRIORITY, op.dtypes, None, _ANY_PLATFORM, "vllm-port"
+                    op.name, REFERENCE, op.reference, _REFERENCE_PRIORITY, op.dtypes, None, ANY_PLATFORM, "vllm-port"
                 )
             ]
             for op in self.ops.values()
@@ -159,21 +104,21 @@ class OpRegistry:
                 f"plugin {plugin!r} returned {candidate!r} from vllm_port_providers; return Provider objects "
                 "(see vllm_port.ops.provider)"
             )
-        who = f"provider {candidate.name!r} of plugin {plugin!r}"
+        named = f"provider {candidate.name!r} of plugin {plugin!r}"
         op = self.ops.get(candidate.op)
         if op is None:
             raise ProviderRejectedError(
-                f"{who} is for op {candidate.op!r}, which the contract does not define; ops: {', '.join(sorted(self.ops))}"
+                f"{named} is for op {candidate.op!r}, which the contract does not define; ops: {', '.join(sorted(self.ops))}"
             )
-        _check_signature(who, op, candidate.fn)
+        _check_signature(named, op, candidate.fn)
         if not candidate.dtypes or not candidate.dtypes <= op.dtypes:
             raise ProviderRejectedError(
-                f"{who} claims dtypes {sorted(map(str, candidate.dtypes))}; op {op.name!r} is defined for {sorted(map(str, op.dtypes))}"
+                f"{named} claims dtypes {sorted(map(str, candidate.dtypes))}; op {op.name!r} is defined for {sorted(map(str, op.dtypes))}"
             )
         registered = replace(candidate, plugin=plugin, platform=candidate.platform or platform)
         if any(p.name == registered.name and p.platform == registered.platform for p in self._providers[op.name]):
             raise ProviderRejectedError(
-                f"{who}: op {op.name!r} already has a provider named {candidate.name!r} on platform "
+                f"{named}: op {op.name!r} already has a provider named {candidate.name!r} on platform "
                 f"{registered.platform!r}; pick a unique name"
             )
         self._providers[op.name].append(registered)
@@ -181,7 +126,7 @@ class OpRegistry:
 
     def candidates(self, op: str, platform: str | None = None) -> list[Provider]:
         """Providers of ``op`` (for ``platform``, or all), highest priority first, the reference last."""
-        found = [p for p in self._providers[op] if platform is None or p.platform in (platform, _ANY_PLATFORM)]
+        found = [p for p in self._providers[op] if platform is None or p.platform in (platform, ANY_PLATFORM)]
         return sorted(found, key=lambda p: -p.priority)
 
     def resolve(self, op: str, ctx: BindContext, prefer: str | None = None) -> Provider:
@@ -205,22 +150,16 @@ class OpRegistry:
         self,
         ctx: BindContext,
         prefer: Mapping[str, str] | None = None,
-        traceable: bool = False,
         *,
-        verify: bool = False,
-        check: CheckConfig | None = None,
-        device: torch.device | None = None,
+        verify_on: torch.device | None = None,
         strict: bool | None = None,
     ) -> BoundOps:
         """Resolve every op once for ``ctx``.
 
         :param prefer: op name -> provider name that must serve it.
-        :param traceable: bind each provider as a ``torch.library`` custom op, so that
-            ``torch.compile(fullgraph=True)`` traces it as one node; eager callers leave it off.
-        :param verify: smoke-check candidates on their op's small samples (:func:`~vllm_port.ops.debug.smoke_check`),
-            best first, skipping those that fail, until one passes; a preferred provider that fails is an error.
-        :param check: debug mode's settings: bind :class:`~vllm_port.ops.debug.CheckedOp` wrappers (eager only).
-        :param device: where smoke checks run (default: the context's device type).
+        :param verify_on: smoke-check candidates on this device, on their op's small samples
+            (:func:`~vllm_port.ops._smoke.smoke_check`), best first, skipping those that fail, until one
+            passes; a preferred provider that fails is an error. ``None``: no smoke checks.
         :param strict: refuse every fallback (``VLLM_PORT_STRICT`` when ``None``).
         :raises StrictModeError: in strict mode, at the first fallback.
         """
@@ -231,43 +170,29 @@ class OpRegistry:
                 f"provider preferences name unknown ops {sorted(unknown)}; ops: {', '.join(sorted(self.ops))}"
             )
         strict = strict_mode(strict)
-        device = device if device is not None else torch.device(ctx.device_type)
         chosen: dict[str, Provider] = {}
         candidates: dict[str, list[Provider]] = {}
         skipped: dict[str, list[tuple[Provider, str]]] = {}
         fallbacks: list[str] = []
         for name, op in self.ops.items():
-            found = self._choose(op, ctx, prefer.get(name), verify, device, strict, skipped, fallbacks)
+            found = self._choose(op, ctx, prefer.get(name), verify_on, strict, skipped, fallbacks)
             chosen[name], candidates[name] = found[0], found
-        if traceable:
-            from ._custom import as_custom_op
-
-            chosen = {name: replace(p, fn=as_custom_op(self.ops[name], p)) for name, p in chosen.items()}
-        kernels = BoundOps(ctx, chosen, candidates=candidates, skipped=skipped, fallbacks=fallbacks)
-        if check is not None and not traceable:  # a compiled graph calls the custom ops, never these wrappers
-            from .debug import CheckedOp
-
-            for name, op in self.ops.items():
-                setattr(kernels, name, CheckedOp(op, kernels, candidates[name], check))
-        return kernels
+        return BoundOps(ctx, chosen, candidates=candidates, skipped=skipped, fallbacks=fallbacks)
 
     def _choose(
         self,
         op: Op,
         ctx: BindContext,
         prefer: str | None,
-        verify: bool,
-        device: torch.device,
+        verify_on: torch.device | None,
         strict: bool,
         skipped: dict[str, list[tuple[Provider, str]]],
         fallbacks: list[str],
     ) -> list[Provider]:
         """The providers that may serve ``op`` in ``ctx``, the chosen one first; records what was passed over."""
-        from .debug import quarantined, smoke_check, who
-
         if prefer is not None:
             named = self.resolve(op.name, ctx, prefer)
-            problem = smoke_check(op, named, ctx.dtype, device) if verify else None
+            problem = smoke_check(op, named, ctx.dtype, verify_on) if verify_on is not None else None
             if problem:
                 raise ProviderError(
                     f"op {op.name!r}: {who(named)}, named by the provider preferences, fails its smoke check {problem}; "
@@ -284,8 +209,10 @@ class OpRegistry:
             except Exception as exc:  # a plugin's predicate must not take binding down
                 reason = f"its support predicate raised {type(exc).__name__}: {exc}"
             if reason is None:  # smoke checks stop at the first that passes: the rest are only fallbacks
-                check_it = verify and not supported
-                reason = quarantined(candidate) or (check_it and smoke_check(op, candidate, ctx.dtype, device)) or None
+                check_it = verify_on is not None and not supported
+                reason = (
+                    quarantined(candidate) or (check_it and smoke_check(op, candidate, ctx.dtype, verify_on)) or None
+                )
             if reason is None:
                 supported.append(candidate)
             elif reason:
@@ -314,13 +241,39 @@ class OpRegistry:
         return supported
 
 
-def _check_signature(who: str, op: Op, fn: Callable[..., Any]) -> None:
+# -------------------------------------------------------------------------------------------------
+# Quarantine: providers found faulty in this process (by debug mode), which no later bind chooses
+# -------------------------------------------------------------------------------------------------
+
+_QUARANTINE: dict[tuple[str, str, str, str], str] = {}
+
+
+def _key(provider: Provider) -> tuple[str, str, str, str]:
+    return (provider.op, provider.plugin, provider.platform, provider.name)
+
+
+def quarantine(provider: Provider, reason: str) -> None:
+    """Take ``provider`` out of service for the rest of the process: no later bind chooses it."""
+    _QUARANTINE.setdefault(_key(provider), reason)
+
+
+def quarantined(provider: Provider) -> str | None:
+    """Why ``provider`` was quarantined in this process, or ``None``."""
+    return _QUARANTINE.get(_key(provider)) if _QUARANTINE else None
+
+
+def clear_quarantine() -> None:
+    """Put every quarantined provider back in service (tests)."""
+    _QUARANTINE.clear()
+
+
+def _check_signature(named: str, op: Op, fn: Callable[..., Any]) -> None:
     if not callable(fn):
-        raise ProviderRejectedError(f"{who}: fn is {fn!r}, not a function")
+        raise ProviderRejectedError(f"{named}: fn is {fn!r}, not a function")
     try:
         got = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
-        raise ProviderRejectedError(f"{who}: cannot read its signature ({exc})") from exc
+        raise ProviderRejectedError(f"{named}: cannot read its signature ({exc})") from exc
     try:  # resolve string annotations only for a readable message; they are not compared
         got = inspect.signature(fn, eval_str=True)
     except Exception:  # noqa: S110 - annotations naming TYPE_CHECKING-only types stay strings
@@ -329,6 +282,6 @@ def _check_signature(who: str, op: Op, fn: Callable[..., Any]) -> None:
     shape = [(p.name, p.kind, p.default) for p in got.parameters.values()]
     if shape != [(p.name, p.kind, p.default) for p in want.parameters.values()]:
         raise ProviderRejectedError(
-            f"{who} has signature {op.name}{got}, but op {op.name!r} is {op.name}{want}; "
+            f"{named} has signature {op.name}{got}, but op {op.name!r} is {op.name}{want}; "
             "use the same parameter names, kinds and defaults as the reference"
         )

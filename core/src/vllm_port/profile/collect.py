@@ -17,10 +17,10 @@ import torch
 from ..bench._timing import load_average
 from ..flat import FlatModel
 from ..memory import KVLayout
-from .subject import _versions, identity
 from .report import _compile, _graph_group, _memory, _phase_report
 from .schema import FORMAT, PHASES, SCHEMA_VERSION, ProfileError
 from .steps import _batch, _make_step
+from .subject import _versions, identity
 from .timing import CAPTURED_PHASE, _device_activity, _graph_capture, _timer_note
 
 __all__ = ["profile_model"]

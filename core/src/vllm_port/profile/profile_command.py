@@ -111,8 +111,8 @@ def _run(args: argparse.Namespace) -> int:
     from ..runtime import load
     from .collect import profile_model  # the tracer and the profiler: only to profile
     from .compare import check_comparable, compare, load_baseline
-    from .subject import identity, load_profile_model
     from .render import render, render_comparison
+    from .subject import identity, load_profile_model
 
     baseline = load_baseline(args.baseline) if args.baseline else None  # refuse a bad file before any work
     if baseline is not None and baseline.get("importer") != args.importer:  # before the model loads and imports

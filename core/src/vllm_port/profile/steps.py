@@ -22,8 +22,8 @@ from torch.profiler import record_function
 
 from ..flat import FlatGraph, FlatModel, graph_inputs
 from ..flat.trace import StepInputs
-from .subject import importer_of
 from .schema import ProfileError
+from .subject import importer_of
 
 __all__ = ["LABEL", "collective_name"]
 

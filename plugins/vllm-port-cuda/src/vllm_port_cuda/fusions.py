@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from vllm_port.flat import contract_op, contract_provider
-from vllm_port.flat.passes import GraphPass, PassContext
+from vllm_port.graph_pass import GraphPass, PassContext
 from vllm_port.ops.attention import check_reshape_and_cache
 from vllm_port.ops.rotary import check_rotary_embedding
 

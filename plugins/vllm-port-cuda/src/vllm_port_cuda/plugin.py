@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_port import PlatformDescription, ProbeResult, hookimpl
-from vllm_port.memory import FusedSwapMigrator
+from vllm_port.kernels.swap_migrator import FusedSwapMigrator
 from vllm_port.plugin_kit import DeviceAllocator, StreamGraphCapture, device_context_created
 
 from . import ops
 from .platform import describe, probe
 
 if TYPE_CHECKING:
-    from vllm_port.flat.passes import GraphPass
+    from vllm_port.graph_pass import GraphPass
     from vllm_port.memory import Allocator, Migrator
     from vllm_port.ops import Provider
 
