@@ -176,13 +176,12 @@ def _worker(
         MASTER_PORT=str(port),
     )
     try:
-        import vllm_port
-
+        from ..runtime import load
         from .runner import ModelRunner
 
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])
-        runtime = vllm_port.load(spec["plugins"], spec["platform"])
+        runtime = load(spec["plugins"], spec["platform"])
         ctx = runtime.init_process_group(spec["timeout_s"])
         runner_kwargs = dict(spec["runner"])
         max_positions = runner_kwargs.pop("max_positions", None)  # the shard is loaded here, with its rotary table
