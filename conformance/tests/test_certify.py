@@ -1,4 +1,9 @@
-"""``vllm-port certify``: the verdict, the report, and ``--verify``."""
+"""``vllm-port certify``: the verdict, the report, ``--verify`` and partial runs (``--check``).
+
+The tests that read the CPU plugin's report share one whole-suite certification per pytest run
+(``cpu_certified``, in conftest.py), as those that read alpha's share one; under pytest-xdist each
+is made once for all workers, and ``xdist_group`` keeps its readers together.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,19 @@ import subprocess
 import sys
 
 import pytest
-from certify_helpers import Certified, run_certify, write_plugin
+from certify_helpers import Certified, CertifyJob, run_certify, run_certify_batch, write_plugin
+from shared_runs import CPU_CERTIFICATION, OncePerRun
 
 from vllm_port import cli
 from vllm_port_conformance import certify
 from vllm_port_conformance.comm_ranks import MULTI_RANK_CHECKS
 
-
-@pytest.fixture(scope="session")
-def cpu_certified(tmp_path_factory) -> Certified:
-    """``vllm-port certify cpu --report DIR``, run once per session (the suite takes ~20 s)."""
-    return run_certify("cpu", report_dir=tmp_path_factory.mktemp("certify") / "cpu")
+#: the shared run (and xdist group) of alpha's certification for one device
+ALPHA = "certify-alpha-1-device"
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_cpu_is_certified_with_a_report(cpu_certified):
     assert cpu_certified.returncode == 0, cpu_certified.output
     assert "cpu: certified" in cpu_certified.stdout
@@ -45,6 +50,8 @@ def _verify(tmp_path, report, capsys):
     return cli.main(["certify", "--verify", str(path)]), capsys.readouterr().out
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_verify_accepts_the_untouched_report(cpu_certified, capsys):
     assert cli.main(["certify", "--verify", str(cpu_certified.report_dir / "report.json")]) == 0
     out = capsys.readouterr().out
@@ -52,6 +59,8 @@ def test_verify_accepts_the_untouched_report(cpu_certified, capsys):
     assert "source: the same as the packages installed here" in out
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_the_report_carries_a_digest_of_the_sources_it_ran(cpu_certified):
     from vllm_port.discovery import discover
 
@@ -64,9 +73,12 @@ def test_the_report_carries_a_digest_of_the_sources_it_ran(cpu_certified):
     assert other["sha256"] != source["sha256"]  # another plugin's package instead
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_a_full_scope_report_and_the_first_probe(cpu_certified):
     report = cpu_certified.report
-    assert report["report_version"] == certify.REPORT_VERSION == 4
+    assert report["report_version"] == certify.REPORT_VERSION == 5
+    assert report["selection"] is None  # the whole suite ran
     assert report["scope"] == {
         "devices": 1,
         "devices_found": 1,
@@ -90,6 +102,8 @@ def test_the_commit_the_runner_names_wins_over_the_checkout(monkeypatch):
     assert got["commit"] == "0123abc" and got["dirty"] == "unknown" and certify.COMMIT_ENV in got["from"]
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_the_report_names_the_plugins_own_commit(cpu_certified, tmp_path, capsys):
     about = cpu_certified.report["plugin"]
     assert about["distribution"] == "vllm-port-cpu" and about["version"]
@@ -146,6 +160,8 @@ def test_verify_wants_the_plugin_commit_from_version_4_on():
     assert certify.verify(report) == []
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_verify_rejects_an_edited_field(cpu_certified, tmp_path, capsys):
     report = cpu_certified.report
     report["device"]["devices"][0]["name"] = "NVIDIA H200"
@@ -154,6 +170,8 @@ def test_verify_rejects_an_edited_field(cpu_certified, tmp_path, capsys):
     assert "report rejected" in out and "digest mismatch" in out and "edited" in out
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_verify_rejects_a_removed_test(cpu_certified, tmp_path, capsys):
     report = cpu_certified.report
     del report["tests"][0]
@@ -251,7 +269,7 @@ def vllm_port_providers():
 """
 
 #: A one-device platform whose provider is beta's kernel.
-ALPHA = """
+ALPHA_PLATFORM = """
 import torch
 
 from vllm_port import DeviceInfo, PlatformDescription, ProbeResult, hookimpl
@@ -280,15 +298,22 @@ def vllm_port_providers():
 """
 
 
-@pytest.fixture(scope="module")
-def alpha_for_one_device(tmp_path_factory) -> Certified:
+@pytest.fixture(scope="session")
+def alpha_for_one_device(once: OncePerRun) -> Certified:
     """``certify alpha --devices 1``: a world of one on a platform whose kernel is another distribution's."""
-    site = tmp_path_factory.mktemp("site")
-    beta = write_plugin(site, "beta", BETA)
-    write_plugin(site, "alpha", ALPHA.format(beta=beta))
-    return run_certify("alpha", "--devices", "1", site=site, report_dir=tmp_path_factory.mktemp("report") / "alpha")
+
+    def run(folder):
+        site = folder / "site"
+        site.mkdir()
+        beta = write_plugin(site, "beta", BETA)
+        write_plugin(site, "alpha", ALPHA_PLATFORM.format(beta=beta))
+        return run_certify("alpha", "--devices", "1", site=site, report_dir=folder / "alpha")
+
+    return once(ALPHA, run)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(ALPHA)
 def test_one_device_is_certified_for_1_device_with_the_multi_device_checks_out_of_scope(alpha_for_one_device):
     run = alpha_for_one_device
     assert run.returncode == 0, run.output
@@ -309,6 +334,8 @@ def test_one_device_is_certified_for_1_device_with_the_multi_device_checks_out_o
     assert certify.verify(report) == []
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(ALPHA)
 def test_the_digest_covers_the_distribution_whose_kernel_ran(alpha_for_one_device):
     source = alpha_for_one_device.report["source"]
     beta = [p for p in source["packages"] if p.startswith("vllm_port_test_beta_")]
@@ -317,6 +344,8 @@ def test_the_digest_covers_the_distribution_whose_kernel_ran(alpha_for_one_devic
     assert {"vllm-port-test-alpha", "vllm-port", "vllm-port-conformance"} <= set(source["distributions"])
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(ALPHA)
 def test_verify_understands_the_scope(alpha_for_one_device, tmp_path, capsys):
     report = alpha_for_one_device.report
     status, out = _verify(tmp_path, report, capsys)
@@ -363,3 +392,85 @@ def test_only_multi_device_checks_may_be_out_of_scope_and_other_skips_still_refu
     assert broken["verdict"] == "not certified" and "did not load" in broken["reason"]
     with pytest.raises(ValueError, match="found only 1"):
         certify.scope_of("cuda", 1, 2)
+
+
+# -------------------------------------------------------------------------------------------------
+# Partial runs: --check runs only the checks it names, through the same suite, and never certifies
+# -------------------------------------------------------------------------------------------------
+
+PARTIAL = "certify-cpu-partial"
+#: a module and one check of another: what the partial run must hold and nothing else
+SELECTED = ("test_platform::", "test_memory::test_double_free_is_refused")
+
+
+@pytest.fixture(scope="session")
+def cpu_partial(once: OncePerRun) -> dict[str, Certified]:
+    """``certify cpu --check ...`` twice, in one process: ``ran`` (the checks of ``SELECTED``), ``unmatched`` (a typo)."""
+
+    def run(folder):
+        selected = tuple(arg for check in SELECTED for arg in ("--check", check))
+        jobs = [
+            CertifyJob("cpu", selected, folder / "ran"),
+            CertifyJob("cpu", ("--check", "test_platform::test_no_such_check"), folder / "unmatched"),
+        ]
+        ran, unmatched = run_certify_batch(jobs, folder)
+        return {"ran": ran, "unmatched": unmatched}
+
+    return once(PARTIAL, run)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
+def test_a_partial_run_holds_the_selected_checks_as_the_whole_suite_runs_them(cpu_partial, cpu_certified):
+    run = cpu_partial["ran"]
+    assert run.returncode == 1, run.output
+    assert "cpu: not certified" in run.stdout
+    report = run.report
+    assert report["selection"] == list(SELECTED)
+    checks = ["--check", SELECTED[0], "--check", SELECTED[1]]
+    assert report["command"]["argv"] == ["vllm-port", "certify", "cpu", "--report", str(run.report_dir), *checks]
+    assert report["command"]["suite"][-2:] == [f"--vllm-port-check={SELECTED[0]}", f"--vllm-port-check={SELECTED[1]}"]
+    whole = {t["id"]: t["state"] for t in cpu_certified.report["tests"]}
+    want = {test: state for test, state in whole.items() if any(s in test for s in SELECTED)}
+    assert len(want) > 2 and {t["id"]: t["state"] for t in report["tests"]} == want  # the same checks, the same states
+    assert (
+        report["verdict"] == "not certified"
+        and "a partial run" in report["reason"]
+        and "certify without --check" in report["reason"]
+    )
+    assert "Partial run (`--check`), not a certificate" in (run.report_dir / "report.md").read_text()
+    assert certify.verify(report) == []
+    forged = json.loads(json.dumps(report))
+    forged["verdict"] = "certified"
+    forged["digest"] = certify.digest(forged)
+    assert any("inconsistent" in p for p in certify.verify(forged))  # a partial run is never a certificate
+    del forged["selection"]
+    forged["digest"] = certify.digest(forged)
+    assert "missing key 'selection'" in certify.verify(forged)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
+def test_a_check_that_selects_nothing_is_a_clear_error(cpu_partial):
+    run = cpu_partial["unmatched"]
+    assert run.returncode == 2, run.output
+    assert "error: --check 'test_platform::test_no_such_check' selects none of the" in run.stderr
+    assert "plugin 'cpu'" in run.stderr and "as report.json lists it" in run.stderr
+    assert not (run.report_dir / "report.json").exists()
+
+
+def test_a_partial_run_is_refused_by_its_failures_and_never_certified():
+    passed = [_t("test_ops::x", "passed"), _t("test_memory::y", "passed")]
+    verdict, reason = certify._verdict(_with(passed)["device"], passed, certify.scope_of("cpu", 1, None), ["test_"])
+    assert verdict == "not certified" and "a partial run: the 2 checks selected by --check passed" in reason
+    failed = [*passed, _t("test_memory::z", "failed")]
+    verdict, reason = certify._verdict(_with(failed)["device"], failed, certify.scope_of("cpu", 1, None), ["test_"])
+    assert verdict == "not certified" and reason.startswith("1 failed")
+    assert certify._verdict(_with(passed)["device"], passed, certify.scope_of("cpu", 1, None))[0] == "certified"
+
+
+def test_a_check_may_start_with_a_dash():
+    # "-my_rms_norm-": every check of one provider; argparse alone would read it as an unknown option
+    argv = cli.join_dash_values(["certify", "mychip", "--check", "-my_rms_norm-", "--check", "test_memory::"])
+    assert argv == ["certify", "mychip", "--check=-my_rms_norm-", "--check", "test_memory::"]
+    assert cli.build_parser().parse_args(argv).check == ["-my_rms_norm-", "test_memory::"]

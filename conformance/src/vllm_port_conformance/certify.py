@@ -13,6 +13,12 @@ certification. A plugin that fails to load (its import, its hooks or its probe: 
 discovery's limit included) is "not certified"; only a clean probe that finds no device gives
 "could not run".
 
+``--check ID`` (repeatable) runs only the checks whose id contains one of the IDs, through the same
+suite, recorder and verdict: a *partial run*, whose report names its ``selection``. A failure in it
+refuses the plugin as in a full run; a partial run that passes is still "not certified" (a
+certificate needs the whole suite). The mutant catalogue is certified this way, each planted bug
+against the checks that must catch it.
+
 Exit status: 0 certified (or report verified), 1 not certified (or report rejected),
 2 could not run (device absent, unknown plugin).
 """
@@ -38,7 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .recorder import DEVICES_OPTION, HYPOTHESIS_PROFILE, OUT_OF_SCOPE, RECORD_OPTION, SEED
+from .recorder import CHECK_OPTION, DEVICES_OPTION, HYPOTHESIS_PROFILE, OUT_OF_SCOPE, RECORD_OPTION, SEED
 
 __all__ = [
     "STATES",
@@ -58,8 +64,9 @@ __all__ = [
 STATES = ("passed", "failed", "error", "skipped", "waived", OUT_OF_SCOPE)
 VERDICTS = ("certified", "not certified", "could not run")
 #: 2: the source digest; 3: the scope, the first probe, every distribution in the digest; 4: the plugin's own
-#: commit (``plugin.git``), for plugins whose source lives outside vllm-port's repository
-REPORT_VERSION = 4
+#: commit (``plugin.git``), for plugins whose source lives outside vllm-port's repository; 5: the ``selection``
+#: of a partial run (``--check``; ``null`` for the whole suite)
+REPORT_VERSION = 5
 REQUIRED_KEYS = (
     "report_version",
     "plugin",
@@ -80,6 +87,7 @@ REQUIRED_KEYS = (
     "digest",
 )
 REQUIRED_KEYS_V3 = ("scope", "probe")
+REQUIRED_KEYS_V5 = ("selection",)
 #: what a version 4 report says about the plugin
 PLUGIN_KEYS_V4 = ("name", "distribution", "version", "git")
 #: the only checks a report may leave out of scope: those of comm that need a second device
@@ -354,7 +362,13 @@ def scope_of(device_type: str | None, device_count: int, devices: int | None) ->
     }
 
 
-def _verdict(device: dict[str, Any], tests: list[dict[str, Any]], scope: dict[str, Any] | None) -> tuple[str, str]:
+def _verdict(
+    device: dict[str, Any],
+    tests: list[dict[str, Any]],
+    scope: dict[str, Any] | None,
+    selection: list[str] | None = None,
+) -> tuple[str, str]:
+    """The verdict and its reason; ``selection``: the ``--check`` IDs of a partial run (never a certificate)."""
     if device.get("error"):
         return "not certified", f"the plugin did not load: {device['error']}"
     if not device.get("available"):
@@ -368,6 +382,11 @@ def _verdict(device: dict[str, Any], tests: list[dict[str, Any]], scope: dict[st
         kinds = _summary(bad)
         said = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in kinds.items() if s != "total" and n)
         return "not certified", f"{said} (every required check must pass or be waived)"
+    if selection:
+        return "not certified", (
+            f"a partial run: the {len(tests)} checks selected by --check passed or were waived; "
+            "a certificate needs the whole suite (certify without --check)"
+        )
     if scoped:
         return "certified", (
             f"all {len(tests) - len(scoped)} checks in scope passed or waived; {len(scoped)} multi-device checks "
@@ -399,8 +418,14 @@ def _first_probe(tests: list[dict[str, Any]], record: Any, limit_s: float) -> di
 
 
 def _run_suite(
-    plugin: str, record_file: Path, target: str = SUITE, devices: int | None = None
+    plugin: str, record_file: Path, target: str = SUITE, devices: int | None = None, checks: list[str] | None = None
 ) -> tuple[list[dict[str, Any]], int, list[str]]:
+    """Run the suite (or the checks of ``target``) on ``plugin`` in a fresh process; its tests, exit status and command.
+
+    :param checks: ``--check`` IDs: run only the checks whose id contains one of them.
+    :raises ValueError: when one of ``checks`` selects none of the checks collected.
+    :raises RuntimeError: when the suite did not run at all.
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -417,6 +442,7 @@ def _run_suite(
         RECORD_OPTION,
         str(record_file),
         *([DEVICES_OPTION, str(devices)] if devices is not None else []),
+        *(f"{CHECK_OPTION}={check}" for check in checks or ()),  # one word: a check may start with "-"
     ]
     env = {**os.environ, "PYTHONHASHSEED": str(SEED)}
     with tempfile.TemporaryDirectory() as cwd:  # no project's pytest configuration applies
@@ -427,6 +453,8 @@ def _run_suite(
             f"the suite did not run (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         )
     data = json.loads(record_file.read_text())
+    if data.get("unmatched_checks"):
+        raise ValueError(_unmatched_text(plugin, target, data["unmatched_checks"], data.get("collected", 0)))
     return data["tests"], proc.returncode, cmd
 
 
@@ -446,14 +474,28 @@ def _check_installed(plugin: str) -> None:
         )
 
 
+def _unmatched_text(plugin: str, target: str, unmatched: list[str], collected: int) -> str:
+    checks = ", ".join(repr(c) for c in unmatched)
+    ran = "" if target == SUITE else f" (the plugin did not load: only {target} ran)"
+    return (
+        f"--check {checks} selects none of the {collected} checks of the suite on plugin {plugin!r}{ran}; "
+        "give a check id as report.json lists it (e.g. 'test_memory::test_double_free_is_refused') or a part of one"
+    )
+
+
 def certify(
-    plugin: str, waivers_file: Path | None = None, argv: list[str] | None = None, devices: int | None = None
+    plugin: str,
+    waivers_file: Path | None = None,
+    argv: list[str] | None = None,
+    devices: int | None = None,
+    checks: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run the suite on ``plugin`` and return the report (with its digest).
 
     :param devices: certify for this many devices (``--devices``); every device found when ``None``.
+    :param checks: ``--check`` IDs: a partial run of the checks whose id contains one of them.
     :raises vllm_port.errors.SelectionError: when no installed plugin is called ``plugin``.
-    :raises ValueError: for a ``devices`` the platform cannot give.
+    :raises ValueError: for a ``devices`` the platform cannot give, or a check that selects nothing.
     """
     from vllm_port.discovery import discover
 
@@ -471,14 +513,15 @@ def certify(
     if record.available or record.error is not None:  # a plugin that did not load is checked by what says why
         target = SUITE if record.available else LOAD_CHECKS
         with tempfile.TemporaryDirectory() as tmp:
-            tests, _, suite_cmd = _run_suite(plugin, Path(tmp) / "record.json", target, devices)
+            tests, _, suite_cmd = _run_suite(plugin, Path(tmp) / "record.json", target, devices, checks)
         by_id = {w.test: w for w in waivers}
         for t in tests:
             w = by_id.get(t["id"])
             if w is not None and t["state"] != "passed":
                 t["message"] = f"waived ({w.reason}); was {t['state']}: {t['message']}"
                 t["state"] = "waived"
-    verdict, reason = _verdict(device, tests, scope)
+    selection = list(checks) if checks else None
+    verdict, reason = _verdict(device, tests, scope, selection)
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "plugin": {
@@ -502,6 +545,7 @@ def certify(
         ),
         "device": device,
         "scope": scope,
+        "selection": selection,
         "probe": _first_probe(tests, record, found.probe_timeout_s),
         "command": {"argv": argv if argv is not None else ["vllm-port", "certify", plugin], "suite": suite_cmd},
         "seeds": {
@@ -529,6 +573,7 @@ def verify(report: Any) -> list[str]:
     if not isinstance(report, dict):
         return ["the report is not a JSON object"]
     required = REQUIRED_KEYS + (REQUIRED_KEYS_V3 if _version_of(report) >= 3 else ())
+    required += REQUIRED_KEYS_V5 if _version_of(report) >= 5 else ()
     problems = [f"missing key {k!r}" for k in required if k not in report]
     if _version_of(report) >= 4:
         about = report.get("plugin") if isinstance(report.get("plugin"), dict) else {}
@@ -556,7 +601,8 @@ def verify(report: Any) -> list[str]:
     scope = report.get("scope") if _version_of(report) >= 3 else None
     if scope is not None:
         problems += _scope_problems(device, scope)
-    verdict, _ = _verdict(device, tests, scope)
+    selection = report.get("selection") if _version_of(report) >= 5 else None
+    verdict, _ = _verdict(device, tests, scope, selection)
     if report.get("verdict") != verdict:
         problems.append(f"verdict {report.get('verdict')!r} is inconsistent with the results ({verdict!r})")
     return problems
@@ -596,6 +642,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         _scope_line(scope, len(d["devices"])),
         "",
+        *(_selection_lines(report.get("selection"))),
         f"First probe of a fresh process: {first.get('first_probe_s')} s (limit {first.get('limit_s')} s; "
         f"measured in {first.get('measured_in', 'n/a')}).",
         "",
@@ -668,6 +715,13 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _selection_lines(selection: list[str] | None) -> list[str]:
+    if not selection:
+        return []
+    checks = ", ".join(f"`{c}`" for c in selection)
+    return [f"Partial run (`--check`), not a certificate: only the checks whose id contains {checks}.", ""]
+
+
 def _commit_text(git: dict[str, Any]) -> str:
     return f"{git['commit']} (dirty: {git['dirty']}" + (f"; from {git['from']}" if "from" in git else "") + ")"
 
@@ -691,8 +745,12 @@ def main(
     waivers: str | None,
     verify_path: str | None,
     devices: int | None = None,
+    checks: list[str] | None = None,
 ) -> int:
-    """The ``vllm-port certify`` command; returns the exit status."""
+    """The ``vllm-port certify`` command; returns the exit status.
+
+    :param checks: ``--check`` IDs (a partial run), or ``None``/empty for the whole suite.
+    """
     if verify_path is not None:
         try:
             loaded = json.loads(Path(verify_path).read_text())
@@ -726,8 +784,9 @@ def main(
         argv += ["--report", report_dir] if report_dir else []
         argv += ["--waivers", waivers] if waivers else []
         argv += ["--devices", str(devices)] if devices is not None else []
+        argv += [arg for check in checks or () for arg in ("--check", check)]
         argv += ["--json"] if as_json else []
-        report = certify(plugin, Path(waivers) if waivers else None, argv, devices)
+        report = certify(plugin, Path(waivers) if waivers else None, argv, devices, checks)
     except SelectionError as exc:  # an unknown PLUGIN, or a VLLM_PORT_* setting discovery refuses: said by exc
         print(f"error: {exc}", file=sys.stderr)
         return 2

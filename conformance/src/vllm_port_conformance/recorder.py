@@ -1,14 +1,19 @@
 """A pytest plugin that records every test's outcome for ``vllm-port certify``.
 
 Loaded with ``-p vllm_port_conformance.recorder --vllm-port-record FILE``; writes one JSON object:
-``{"tests": [{"id", "state", "duration_s", "message"}...], "seed": ..., "exit_status": ...}``; a
-test's ``record_property`` values ride along as its ``properties``. It also fixes the randomness:
-Python's and torch's global seeds before each test, and a hypothesis profile with
-``derandomize=True`` (the same examples every run, so a failure replays).
+``{"tests": [{"id", "state", "duration_s", "message"}...], "seed", "exit_status", "selection", "collected",
+"unmatched_checks"}``; a test's ``record_property`` values ride along as its ``properties``. It also
+fixes the randomness: Python's and torch's global seeds before each test, and a hypothesis profile
+with ``derandomize=True`` (the same examples every run, so a failure replays).
 
 A check that the run's scope excludes (a multi-device check when certifying for one device) calls
 :func:`out_of_scope`: it is recorded as ``out_of_scope``, which certification tells apart from a skip.
 ``--vllm-port-devices N`` sets that scope: certify as deployed on ``N`` devices.
+
+``--vllm-port-check ID`` (repeatable) runs only the checks whose id (as the record names it,
+``test_ops::test_x[case]``) contains one of the IDs: a partial run, which certification never
+takes for a certificate. An ID that selects nothing deselects every check and is named in the
+record's ``unmatched_checks``, so a misspelt selection is an error rather than an empty pass.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 
 RECORD_OPTION = "--vllm-port-record"
 DEVICES_OPTION = "--vllm-port-devices"
+CHECK_OPTION = "--vllm-port-check"
 OUT_OF_SCOPE = "out_of_scope"
 SEED = 0
 HYPOTHESIS_PROFILE = "vllm-port-certify"
@@ -38,6 +44,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="N",
         help="certify for N devices: checks that need more are recorded as out of scope (default: all found)",
     )
+    group.addoption(
+        CHECK_OPTION,
+        action="append",
+        default=[],
+        metavar="ID",
+        help="run only the checks whose id contains ID (repeatable; ids as report.json lists them)",
+    )
 
 
 def out_of_scope(item: pytest.Item, reason: str) -> None:
@@ -53,7 +66,8 @@ def pytest_configure(config: pytest.Config) -> None:
         HYPOTHESIS_PROFILE, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck), database=None
     )
     settings.load_profile(HYPOTHESIS_PROFILE)
-    config.pluginmanager.register(Recorder(config.getoption(RECORD_OPTION)), "vllm-port-recorder")
+    recorder = Recorder(config.getoption(RECORD_OPTION), config.getoption(CHECK_OPTION))
+    config.pluginmanager.register(recorder, "vllm-port-recorder")
 
 
 def test_id(nodeid: str, location: str = "") -> str:
@@ -78,10 +92,29 @@ def _message(report: pytest.TestReport | pytest.CollectReport) -> str:
     return message[:MESSAGE_LIMIT]
 
 
+def selected(check: str, selectors: list[str]) -> bool:
+    """Whether the check ``check`` (a record id) is one that ``selectors`` ask for: its id contains one of them."""
+    return any(s in check for s in selectors)
+
+
 class Recorder:
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, selectors: list[str] | None = None) -> None:
         self.path = path
+        self.selectors = list(selectors or [])
+        self.collected = 0
+        self.unmatched: list[str] = []
         self.tests: dict[str, dict[str, Any]] = {}
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """Keep only the selected checks (``--vllm-port-check``); none at all if a selector matches nothing."""
+        self.collected = len(items)
+        if not self.selectors:
+            return
+        ids = [test_id(item.nodeid, item.location[0]) for item in items]
+        self.unmatched = [s for s in self.selectors if not any(s in check for check in ids)]
+        wanted = [not self.unmatched and selected(check, self.selectors) for check in ids]
+        config.hook.pytest_deselected(items=[item for item, keep in zip(items, wanted, strict=True) if not keep])
+        items[:] = [item for item, keep in zip(items, wanted, strict=True) if keep]
 
     def _entry(self, report: pytest.TestReport) -> dict[str, Any]:
         key = test_id(report.nodeid, report.location[0] if report.location else "")
@@ -122,5 +155,13 @@ class Recorder:
         if not self.path:
             return
         tests = [{"id": k, **v} for k, v in self.tests.items()]
-        data = {"tests": tests, "seed": SEED, "hypothesis_profile": HYPOTHESIS_PROFILE, "exit_status": int(exitstatus)}
+        data = {
+            "tests": tests,
+            "seed": SEED,
+            "hypothesis_profile": HYPOTHESIS_PROFILE,
+            "exit_status": int(exitstatus),
+            "selection": self.selectors,
+            "collected": self.collected,
+            "unmatched_checks": self.unmatched,
+        }
         Path(self.path).write_text(json.dumps(data, indent=1))

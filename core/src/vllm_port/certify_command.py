@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="certify for N devices: checks that need more are out of the report's scope (default: every one found)",
     )
+    parser.add_argument(
+        "--check",
+        action="append",
+        default=None,
+        metavar="ID",
+        help="run only the checks whose id contains ID (repeatable): a partial run, never a certificate",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,4 +58,6 @@ def run(args: argparse.Namespace) -> int:
     if (args.plugin is None) == (args.verify is None):
         print("error: give either a PLUGIN to certify or --verify REPORT.json", file=sys.stderr)
         return 2
-    return certify.main(args.plugin, args.report, args.json, args.waivers, args.verify, devices=args.devices)
+    return certify.main(
+        args.plugin, args.report, args.json, args.waivers, args.verify, devices=args.devices, checks=args.check
+    )

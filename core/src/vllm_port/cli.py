@@ -105,8 +105,9 @@ class _PrintVersion(argparse.Action):
         parser.exit()
 
 
-#: Options whose value may start with a dash (``--plugins -xpu`` denies a plugin, as the README writes it).
-DASH_VALUE_OPTIONS = ("--plugins",)
+#: Options whose value may start with a dash (``--plugins -xpu`` denies a plugin, as the README writes it;
+#: ``certify --check -my_rms_norm-`` selects every check of one provider).
+DASH_VALUE_OPTIONS = ("--plugins", "--check")
 
 
 def join_dash_values(argv: Sequence[str]) -> list[str]:
