@@ -2,12 +2,95 @@
 
 Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen before the first
 ``@triton.jit`` function is made: any test module may import a plugin that defines kernels (the CUDA
-plugin's fusions), so the choice is made here, not in the Triton tests' own conftest.
+plugin's fusions), so the choice is made here, not in the Triton tests' own conftest. The
+interpreter is spared one redundant step (:func:`_patch_triton_language_once_per_launch`).
+
+pyproject.toml's ``addopts`` hands pytest-xdist its workers (``-n auto --maxprocesses 4 --dist
+loadgroup``). Where xdist is not loaded (``-p no:xdist``, or a venv set up before it was a
+requirement) those options are accepted here and mean nothing: the suite runs in this process.
+Modules holding a ``slow`` test run first (:func:`pytest_collection_modifyitems`), so the workers
+start on the long tests and the short ones fill in behind them.
 """
 
+from __future__ import annotations
+
+import inspect
 import os
 
+import pytest
 import torch
+
+#: pytest-xdist's options that pyproject.toml's addopts passes
+_XDIST_ADDOPTS = (("-n", "--numprocesses"), ("--maxprocesses",), ("--dist",))
+
+
+def _patch_triton_language_once_per_launch() -> bool:
+    """Make the interpreter patch ``triton.language`` once per kernel launch, not again at every helper call.
+
+    Triton 3.6's interpreter replaces ``triton.language``'s builtins with interpreted ones when a
+    kernel is launched, and restores them when it returns; it also redoes the replacement, by
+    ``inspect.getmembers`` over four modules, each time the kernel calls a ``@triton.jit`` helper,
+    although the launch's replacement is still in place: a third of the time of a prefill-attention
+    sample whose loop calls helpers. Here a helper whose modules the running launch already patched
+    skips that repeat; the replacement is the same either way (one builder, the same functions).
+    True once installed; False without Triton's interpreter (nothing is changed).
+    """
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or scope_type is None or getattr(patch_lang, "once_per_launch", False):
+        return patch_lang is not None and scope_type is not None
+    patched: list[set[int]] = []  # the language modules patched in the running launch (empty between launches)
+
+    def languages(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def patch_lang_once(fn):
+        wanted = languages(fn)
+        if patched and wanted <= patched[0]:
+            return scope_type()  # a helper inside a launch: already patched, nothing to restore
+        scope = patch_lang(fn)
+        if patched:  # a helper naming another module (``tl.core``): patched now, and never restored by Triton
+            patched[0] |= wanted
+        else:  # a launch: its scope's restore() ends it
+            patched.append(wanted)
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_end
+        return scope
+
+    patch_lang_once.once_per_launch = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang_once
+    return True
+
 
 if not torch.accelerator.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_language_once_per_launch()
+
+
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    if pluginmanager.has_plugin("xdist"):
+        return
+    group = parser.getgroup("xdist-absent", "pytest-xdist not loaded: its addopts are ignored, tests run here")
+    for flags in _XDIST_ADDOPTS:  # _addoption: lowercase short flags (-n) are reserved to plugins
+        group._addoption(*flags, action="store", dest=f"absent_xdist_{flags[-1].lstrip('-')}", help="ignored")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules holding a ``slow`` test first, each module's tests in their order (so its fixtures are set up once).
+
+    pytest-xdist hands out tests in this order: a long test left to the end would run alone on one
+    worker while the others sit idle.
+    """
+    slow_modules = {getattr(item, "module", None) for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: getattr(item, "module", None) not in slow_modules)

@@ -1,12 +1,14 @@
-"""Fixtures that install real test plugins (see plugin_factory.py)."""
+"""Fixtures that install real test plugins (see plugin_factory.py), and the distributions' wheels (distributions.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from distributions import build_wheels
 from plugin_factory import write_plugin
 
 
@@ -32,3 +34,12 @@ def install_plugin(site: Path) -> Callable[..., str]:
         return write_plugin(site, name, source, version)
 
     return install
+
+
+@pytest.fixture(scope="session")
+def distribution_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every distribution's wheel (source folder -> wheel), built once a session (see distributions.py)."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("VLLM_PORT_")
+    }
+    return build_wheels(tmp_path_factory.mktemp("wheels"), env)

@@ -19,6 +19,7 @@ def test_cpu_runs_are_bounded_unless_full() -> None:
     assert set(bench_ops.CPU_TOKENS) == set(bench_ops.TOKENS)  # every family has its CPU bound
 
 
+@pytest.mark.slow
 def test_progress_counts_rows_done_of_rows_planned(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -151,6 +151,7 @@ def _peer_missing(ctx: DistContext) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_joins_ends_in_a_timeout_error():
     r0, _ = run_ranks(_peer_missing, CPU, 2, timeout_s=2, deadline_s=60)
     assert "rank 0: all_reduce" in r0 and "timeout" in r0, r0
@@ -167,6 +168,7 @@ def _peer_dies(ctx: DistContext) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_in_an_error_naming_the_call():
     start = time.monotonic()
     with pytest.raises(CommError, match=r"rank 1 exited \(code 0\) without a result") as info:

@@ -20,33 +20,24 @@ import importlib.metadata
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+from distributions import DISTRIBUTIONS, REPO, WHEELS_GROUP, torch_pin
 
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-REPO = Path(__file__).resolve().parents[2]
-#: source folder -> (distribution name, its import packages)
-DISTRIBUTIONS = {
-    "core": ("vllm-port", ["vllm_port"]),
-    "plugins/vllm-port-cpu": ("vllm-port-cpu", ["vllm_port_cpu"]),
-    "plugins/vllm-port-cuda": ("vllm-port-cuda", ["vllm_port_cuda"]),
-    "plugins/vllm-port-rocm": ("vllm-port-rocm", ["vllm_port_rocm"]),
-    "plugins/vllm-port-xpu": ("vllm-port-xpu", ["vllm_port_xpu"]),
-    "conformance": ("vllm-port-conformance", ["vllm_port_conformance"]),
-}
 #: modules a distribution ships that need one of its extras, with the extra (skipped where it is not installed)
 NEEDS_EXTRA = {"vllm_port.kernels.triton": "triton"}
 #: GPU plugins: certify must say the device is absent here, not that the plugin failed
 GPU_PLUGINS = {"plugins/vllm-port-cuda": "cuda", "plugins/vllm-port-rocm": "rocm", "plugins/vllm-port-xpu": "xpu"}
+pytestmark = pytest.mark.xdist_group(WHEELS_GROUP)  # one worker builds the wheels, for test_wheels.py too
 IMPORT_EVERY_MODULE = """
 import importlib, json, pkgutil, sys
 skip = sys.argv[2:]
@@ -92,7 +83,7 @@ def _top_level_imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("source", sorted(DISTRIBUTIONS))
 def test_every_top_level_import_is_a_declared_distribution(source: str) -> None:
-    name, packages = DISTRIBUTIONS[source]
+    name, packages = DISTRIBUTIONS[source].name, DISTRIBUTIONS[source].packages
     declared = _declared(source) | {_normal(name), "vllm-port"}
     providers = importlib.metadata.packages_distributions()  # import name -> the distributions shipping it
     undeclared = {}
@@ -141,34 +132,21 @@ def _venv(path: Path, below: Path | None = None) -> Path:
 
 
 def _pip_install(python: Path, *requirements: str) -> None:
-    """Install with this interpreter's pip into ``python``'s venv, dependencies resolved by pip."""
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", *requirements], python.parents[2])
+    """Install with this interpreter's pip into ``python``'s venv, dependencies resolved by pip.
 
-
-def _torch_pin() -> str:
-    match = re.search(r"^torch==(\S+)", (REPO / "dev/requirements.txt").read_text(), re.MULTILINE)
-    assert match, "dev/requirements.txt pins torch==X.Y.Z"
-    return f"torch=={match.group(1)}"
+    ``--no-compile``: Python compiles what it imports; what is installed is the same.
+    """
+    argv = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-compile", *requirements]
+    _run(argv, python.parents[2])
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def base(distribution_wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every distribution's wheel, and the base venv: torch and core with the dependencies core declares."""
     work = tmp_path_factory.mktemp("declared")
-    copies = []
-    for source in DISTRIBUTIONS:  # copies, so no build/ left in the tree leaks stale files in
-        copy = work / "src" / Path(source).name
-        shutil.copytree(REPO / source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        copies.append(str(copy))
-    dist = work / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), *copies], work)
-    wheels = {
-        source: next(dist.glob(f"{_normal(name).replace('-', '_')}-*.whl"))
-        for source, (name, _) in DISTRIBUTIONS.items()
-    }
     python = _venv(work / "base")
-    _pip_install(python, _torch_pin(), str(wheels["core"]))
-    return {"work": work, "base": work / "base", **{source: whl for source, whl in wheels.items()}}
+    _pip_install(python, torch_pin(), str(distribution_wheels["core"]))
+    return {"work": work, "base": work / "base", **distribution_wheels}
 
 
 def _imports_every_module(python: Path, packages: list[str], tmp: Path, skip: list[str]) -> None:
@@ -182,9 +160,10 @@ def _doctor(python: Path, tmp: Path) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", list(DISTRIBUTIONS))
 def test_a_venv_of_its_declared_dependencies_loads_it(source: str, base: dict[str, Path], tmp_path: Path) -> None:
-    packages = DISTRIBUTIONS[source][1]
+    packages = list(DISTRIBUTIONS[source].packages)
     if source == "core":
         python = base["base"] / "bin" / "python"
     else:

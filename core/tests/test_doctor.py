@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from plugin_factory import healthy
 
 
@@ -19,6 +20,7 @@ def doctor(*args, env=None):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_json_selects_cpu_lists_every_plugin_and_smoke_passes():
     code, out, err = doctor("--json")
     report = json.loads(out)
@@ -44,6 +46,7 @@ def test_json_selects_cpu_lists_every_plugin_and_smoke_passes():
         assert report["smoke"][name] == "PASS"
 
 
+@pytest.mark.slow
 def test_a_broken_plugin_is_reported_and_doctor_still_passes(install_plugin):
     install_plugin("zbroken", "raise ImportError('missing libzbroken.so')")
     code, out, _ = doctor("--json")
@@ -53,6 +56,7 @@ def test_a_broken_plugin_is_reported_and_doctor_still_passes(install_plugin):
     assert broken["available"] is False and "missing libzbroken.so" in broken["error"]
 
 
+@pytest.mark.slow
 def test_a_wrong_kernel_fails_the_smoke_test(install_plugin):
     install_plugin(
         "wrong",
@@ -69,6 +73,7 @@ def test_a_wrong_kernel_fails_the_smoke_test(install_plugin):
     assert "FAIL: no_weight (wrong) torch.float32" in out and "NOT OK" in out
 
 
+@pytest.mark.slow
 def test_unknown_device_exits_2_with_the_fix(monkeypatch):
     code, out, _ = doctor(env={"VLLM_PORT_DEVICE": "tpu"})
     assert code == 2 and "VLLM_PORT_DEVICE='tpu' names no installed platform" in out

@@ -229,6 +229,7 @@ def test_slowed_provider_is_named_as_the_regression_against_a_baseline(install_p
     assert provider["delta_pct"] > 100
 
 
+@pytest.mark.slow
 def test_the_command_profiles_the_bundled_model_by_default(tmp_path: Path):
     out = tmp_path / "profile.json"
     done = subprocess.run(

@@ -21,6 +21,7 @@ def _example(section: str) -> str:
     return block.group(1)
 
 
+@pytest.mark.slow
 def test_the_how_it_works_example_runs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_PORT_DEVICE", "cpu")
     monkeypatch.delenv("VLLM_PORT_PLUGINS", raising=False)

@@ -92,6 +92,7 @@ def _tp_layers(ctx: DistContext) -> dict[str, torch.Tensor]:
     return {"h": h, "logits": logits, "gathered": gathered}
 
 
+@pytest.mark.slow
 def test_tp_layers_on_two_ranks_match_one_rank():
     ctx1 = DistContext(0, 1, 0, 1, "gloo", torch.device("cpu"))
     want = _tp_layers(ctx1)  # one rank: no communicator call is made

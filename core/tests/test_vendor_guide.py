@@ -135,6 +135,7 @@ def _output(guide: Guide, fragment: str) -> str:
     return found[-1]
 
 
+@pytest.mark.slow
 def test_the_guide_runs_as_written(tmp_path: Path) -> None:
     guide = Guide(tmp_path)
     everything = blocks()

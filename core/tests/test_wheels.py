@@ -2,22 +2,23 @@
 
 The wheels are built with pip as a user would (``pip wheel --no-deps``, build isolation on, so the
 declared build requirements are the ones used) from copies of the sources, so no ``build/`` left in
-the tree can leak stale files in. The venv is new and sees nothing of this checkout: pip resolves
-the wheels' declared dependencies (torch from the pin in dev/requirements.txt), and each command
-runs outside the repository. About 40 s, most of it installing torch.
+the tree can leak stale files in: once a session for this module and test_declared_dependencies.py
+(``distribution_wheels``, see distributions.py). The venv is new and sees nothing of this checkout:
+pip resolves the wheels' declared dependencies (torch from the pin in dev/requirements.txt), and
+each command runs outside the repository. About 30 s, most of it installing torch (``--no-compile``:
+Python compiles what it imports).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from distributions import DISTRIBUTIONS, WHEELS_GROUP, torch_pin
 
 try:
     import tomllib
@@ -25,22 +26,9 @@ except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[2]
-DISTRIBUTIONS = {  # source folder -> the import package it ships
-    "core": "vllm_port",
-    "plugins/vllm-port-cpu": "vllm_port_cpu",
-    "plugins/vllm-port-cuda": "vllm_port_cuda",
-    "plugins/vllm-port-rocm": "vllm_port_rocm",
-    "plugins/vllm-port-xpu": "vllm_port_xpu",
-    "conformance": "vllm_port_conformance",
-}
 BUILT = ("core", "plugins/vllm-port-cpu", "conformance")
 PROMPT = "It is a truth universally acknowledged"
-
-
-def _torch_pin() -> str:
-    match = re.search(r"^torch==(\S+)", (REPO / "dev/requirements.txt").read_text(), re.MULTILINE)
-    assert match, "dev/requirements.txt pins torch==X.Y.Z"
-    return f"torch=={match.group(1)}"
+pytestmark = pytest.mark.xdist_group(WHEELS_GROUP)  # one worker builds the wheels, for both modules
 
 
 @pytest.mark.parametrize("source", sorted(DISTRIBUTIONS))
@@ -54,20 +42,12 @@ def test_every_distribution_declares_its_build_and_license(source: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    work = tmp_path_factory.mktemp("wheels")
-    sources = []
-    for source in BUILT:
-        copy = work / "src" / Path(source).name
-        shutil.copytree(REPO / source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        sources.append(str(copy))
-    dist = work / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), *sources], work)
-    found = {whl.name.split("-")[0]: whl for whl in dist.glob("*.whl")}
-    assert sorted(found) == ["vllm_port", "vllm_port_conformance", "vllm_port_cpu"]
-    return found
+def wheels(distribution_wheels: dict[str, Path]) -> dict[str, Path]:
+    """The wheels of :data:`BUILT` (import package -> wheel), from the session's build of every distribution."""
+    return {DISTRIBUTIONS[source].packages[0]: distribution_wheels[source] for source in BUILT}
 
 
+@pytest.mark.slow
 def test_each_wheel_carries_its_license_and_package_data(wheels: dict[str, Path]) -> None:
     license_text = (REPO / "LICENSE").read_bytes()
     for name, whl in wheels.items():
@@ -87,11 +67,13 @@ def test_each_wheel_carries_its_license_and_package_data(wheels: dict[str, Path]
         assert 'Requires-Dist: tomli>=1.1; python_version < "3.11"' in requires
 
 
+@pytest.mark.slow
 def test_wheels_install_into_a_clean_venv_and_run(wheels: dict[str, Path], tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], tmp_path)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)  # this pip installs into it
     python, cli = venv / "bin" / "python", str(venv / "bin" / "vllm-port")
-    _run([str(python), "-m", "pip", "install", "--quiet", _torch_pin(), *map(str, wheels.values())], tmp_path)
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-compile"]
+    _run([*install, torch_pin(), *map(str, wheels.values())], tmp_path)
 
     where = _run(
         [str(python), "-c", "import vllm_port, vllm_port_cpu; print(vllm_port.__file__, vllm_port_cpu.__file__)"],

@@ -113,6 +113,7 @@ def test_ctrl_c_while_blocks_are_handed_out_or_swapped_leaks_none(install_plugin
 # --- the command --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_vllm_port_generate_prints_the_finished_outputs_one_line_and_exits_130(tmp_path):
     """64 short prompts that run for seconds, two long ones that finish in the first steps; SIGINT 1.5 s in."""
     long_prompt = ",".join(["7"] * 505)  # the bundled model's max_model_len is 512: finishes after 7 tokens

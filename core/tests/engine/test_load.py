@@ -26,6 +26,7 @@ import time
 import tracemalloc
 from dataclasses import dataclass, field
 
+import pytest
 from llm_helpers import assert_pool_empty, make_llm, prompts
 from plugin_factory import healthy
 
@@ -210,6 +211,7 @@ class Tally:
                 self.errors[key] = delta.error
 
 
+@pytest.mark.slow
 def test_thousands_of_requests_against_a_small_pool(llama_model, cpu_runtime):
     """3,000 requests in two calls (the second joins mid-run) plus one stream closed early.
 

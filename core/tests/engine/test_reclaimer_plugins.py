@@ -141,6 +141,7 @@ def test_a_reclaimer_breaking_the_rules_stops_the_engine_naming_its_plugin(insta
         llm.generate(batch, params)
 
 
+@pytest.mark.slow
 def test_conformance_fails_a_reclaimer_breaking_the_rules(install_plugin):
     install_plugin("badreclaim", BROKEN)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]

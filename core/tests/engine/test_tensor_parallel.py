@@ -15,6 +15,7 @@ from vllm_port.engine.tensor_parallel import shard_config, shard_weights
 from vllm_port.models import load_config, load_weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_two_ranks_generate_what_one_does(engine_models, cpu_runtime, family):
     model_dir = engine_models[family]

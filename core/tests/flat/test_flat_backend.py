@@ -32,6 +32,7 @@ def test_backend_is_registered_through_the_entry_point():
     assert isinstance(lookup_backend("vllm_port"), VllmPortBackend)
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_has_no_graph_break_and_runs_with_inductor(models, tiny_dirs, cpu_runtime):
     model = models["llama"]
     ops = flat.traceable_ops(cpu_runtime.bind(torch.float32))
@@ -76,6 +77,7 @@ def test_backend_by_name_takes_options_and_refuses_unknown_ones(models, cpu_runt
         torch.compile(step, backend="vllm_port", options={"fast": True}, fullgraph=True)(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_mode_gives_transformers_logits(models, tiny_dirs, cpu_runtime, family):
     """Eager after the passes, compiled (vllm_port backend, Inductor), and decode graph-captured with padding."""

@@ -92,6 +92,7 @@ def test_cpu_providers_match_the_reference_on_valid_inputs(op, data):
 _TRITON_LIMITS = {"paged_attention": {"max_len": 20}, "prefill_attention": {"max_q": 5}}
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on the masked-off lanes of the interpreter's blocks
 @pytest.mark.skipif(not TRITON, reason="Triton's CPU interpreter is not in use (TRITON_INTERPRET=1 without a GPU)")
 @pytest.mark.parametrize("op", [name for name in NAMES if any(p.op == name for p in TRITON)])

@@ -57,6 +57,7 @@ def test_a_sliding_window_applied_through_the_mask_alone_is_refused(cpu_runtime)
         import_model(model, cpu_runtime)
 
 
+@pytest.mark.slow
 def test_per_layer_windows_are_checked_against_layer_types(cpu_runtime):
     model = build_tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert model.config.layer_types == ["full_attention", "sliding_attention"]

@@ -59,6 +59,7 @@ def _cuda_ops():
     return vllm_port.load(plugins="cpu,cuda").registry.bind(BindContext("cuda", "cuda", torch.float32, {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_imported_graph_fires_the_fusions_of_the_core_model(cpu_runtime, tmp_path, family):
     ops = _cuda_ops()
@@ -95,6 +96,7 @@ IMPORT_ONLY_FUSIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["phi3", "gemma2"])
 def test_importer_only_families_fire_the_fusions_their_architecture_allows(cpu_runtime, family):
     hf = build_tiny_model(family)

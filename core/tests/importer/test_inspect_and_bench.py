@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tiny_models import save_tiny_model
 
 from vllm_port.bench import importer as bench
@@ -31,6 +32,7 @@ def test_inspect_import_names_a_directory_transformers_cannot_load(tmp_path, cap
     assert "transformers could not load" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     result = bench.run(bench.TINY_WORKLOAD, [1, 2], "cpu", "eager", save_model=str(tmp_path / "model"))
     rows = result["rows"]

@@ -237,6 +237,7 @@ def _doctor(env: dict[str, str], *args: str) -> dict:
     return json.loads(doctor.stdout)
 
 
+@pytest.mark.slow
 def test_installed_from_outside_it_is_discovered_displaces_no_platform_and_runs_when_named(
     package: Path, tmp_path: Path
 ) -> None:
@@ -270,6 +271,7 @@ def test_the_generated_priority_is_below_every_in_tree_plugin_and_says_how_to_ra
     assert "raise it above the plugin it should win over (PRIORITY = 1 is above cpu)" in said
 
 
+@pytest.mark.slow
 def test_tox_conformance_certifies_the_package_in_a_fresh_venv(package: Path, tmp_path: Path) -> None:
     """The issue's CI requirement: ``tox -e conformance`` from the generated folder, core from this checkout."""
     vendor = tmp_path / "vendor"

@@ -25,6 +25,7 @@ pytest.importorskip("triton.backends.nvidia")
 SCRIPT = Path(__file__).resolve().parents[3] / "dev" / "sm90_stats.py"
 
 
+@pytest.mark.slow
 def test_the_hopper_kernels_use_tma_and_wgmma_as_designed():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--json"], env=env, capture_output=True, text=True, timeout=300)

@@ -121,6 +121,7 @@ def test_one_row_on_either_path(on_vector_units):
         check(fn, parts(1, 136, 72, dtype, bias=True), dtype)
 
 
+@pytest.mark.slow
 def test_split_reductions_agree_and_repeat_bitwise():
     """Split counts (none, uneven, one tile each) are within tolerance, and each repeats bit for bit.
 

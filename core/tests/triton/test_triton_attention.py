@@ -60,6 +60,7 @@ def interpreted_samples(op, dtype, gen):
     return [s for s in found if not s.large] if dtype == torch.bfloat16 else found[:5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
 def test_samples_are_within_tolerance(op, dtype):
@@ -109,6 +110,7 @@ def _decode_case(dtype, seq_lens, heads, kv_heads, head_size=64, block_size=16, 
     return (q, kc, vc, tables, lens, head_size**-0.5, window, cap)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("splits", [2, 5])
 def test_split_k_decode_merges_partials_exactly(dtype, splits):
@@ -120,6 +122,7 @@ def test_split_k_decode_merges_partials_exactly(dtype, splits):
         assert paged_attention.check(split_fn, args, dtype) is None, (window, cap)
 
 
+@pytest.mark.slow
 def test_merge_of_many_splits_in_one_chunk():
     """33-128 splits: one step of the merge over 8 warps (fewer splits than a sequence's tiles, and more)."""
     args = _decode_case(torch.float32, [5, 300, 1500], 4, 2, block_size=16, seed=5)
@@ -127,6 +130,7 @@ def test_merge_of_many_splits_in_one_chunk():
     assert paged_attention.check(fn, args, torch.float32) is None
 
 
+@pytest.mark.slow
 def test_merge_of_more_splits_than_one_chunk():
     """Past ``_MERGE_CHUNK`` splits the merge sums partials chunk by chunk (a ragged last chunk, empty splits)."""
     from vllm_port.kernels.triton.attention import _MERGE_CHUNK
@@ -274,6 +278,7 @@ def test_wide_tiles_on_the_interpreter():
 TMA = dataclasses.replace(INTERPRETER if DEVICE.type == "cpu" else NATIVE, prefill_tma=True, decode_tma=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tma_tiles_match_the_reference(dtype):
     """Blocks of two key tiles each; slots past a sequence hold NaN (the TMA box reads them)."""

@@ -102,6 +102,7 @@ def test_every_class_names_its_ops():
     assert sorted(op for cls in CLASSES for op in cls.OPS) == sorted(op.name for op in OPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
 def test_samples_are_within_tolerance(op, dtype):

@@ -130,6 +130,7 @@ def test_greedy_rows_equal_the_reference_lowest_id_on_ties(dtype):
     assert got[5] == 0 and got[6] == 299
 
 
+@pytest.mark.slow
 def test_draws_follow_softmax_of_logits_over_temperature():
     # 4000 seeds in one batched call, a chi-square test against softmax(logits / T) (7 degrees of freedom)
     n, temperature = 4000, 1.3
@@ -143,6 +144,7 @@ def test_draws_follow_softmax_of_logits_over_temperature():
     assert chi2 < 24.32, (chi2, counts.tolist())  # the 0.999 quantile of chi-square(7)
 
 
+@pytest.mark.slow
 def test_top_k_and_top_p_restrict_the_distribution():
     # top-k 3 keeps tokens 4, 1, 6; top-p 0.6 keeps 4 and 1 (0.54 before 1): renormalised draws among them
     n = 2000

@@ -424,6 +424,7 @@ def test_the_swap_bench_says_which_path_made_each_row() -> None:
         kv.close()
 
 
+@pytest.mark.slow
 def test_every_swap_class_of_the_conformance_suite_takes_the_kernel_bit_exact() -> None:
     # the suite's swap classes (1, 64, 65, 200 blocks; runs and scattered, to the last block; both
     # directions; pairs as a list and as a tensor) through the one-launch path the CUDA plugin takes

@@ -1,0 +1,74 @@
+"""The repository's distributions, and their wheels built as a user's pip builds them.
+
+``test_wheels.py`` and ``test_declared_dependencies.py`` install the same wheels into fresh venvs:
+the ``distribution_wheels`` fixture (conftest.py) builds them once a session with
+:func:`build_wheels`, and both modules carry the ``xdist_group`` mark :data:`WHEELS_GROUP`, so
+under pytest-xdist (``--dist loadgroup``) they share one worker and one build.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+#: the xdist group of the tests that install the wheels of :func:`build_wheels`
+WHEELS_GROUP = "distribution-wheels"
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """One distribution of the repository: its name on an index and the import packages it ships."""
+
+    name: str
+    packages: tuple[str, ...]
+
+    @property
+    def wheel_prefix(self) -> str:
+        """How its wheel's file name starts (the name normalized as wheels spell it)."""
+        return re.sub(r"[-_.]+", "_", self.name).lower()
+
+
+#: source folder -> the distribution built from it
+DISTRIBUTIONS = {
+    "core": Distribution("vllm-port", ("vllm_port",)),
+    "plugins/vllm-port-cpu": Distribution("vllm-port-cpu", ("vllm_port_cpu",)),
+    "plugins/vllm-port-cuda": Distribution("vllm-port-cuda", ("vllm_port_cuda",)),
+    "plugins/vllm-port-rocm": Distribution("vllm-port-rocm", ("vllm_port_rocm",)),
+    "plugins/vllm-port-xpu": Distribution("vllm-port-xpu", ("vllm_port_xpu",)),
+    "conformance": Distribution("vllm-port-conformance", ("vllm_port_conformance",)),
+}
+
+
+def torch_pin() -> str:
+    """``torch==X.Y.Z``, the pin of dev/requirements.txt."""
+    match = re.search(r"^torch==(\S+)", (REPO / "dev/requirements.txt").read_text(), re.MULTILINE)
+    assert match, "dev/requirements.txt pins torch==X.Y.Z"
+    return f"torch=={match.group(1)}"
+
+
+def build_wheels(work: Path, env: dict[str, str]) -> dict[str, Path]:
+    """Every distribution's wheel (source folder -> wheel), built into ``work/dist`` by one ``pip wheel``.
+
+    As a user builds them: ``--no-deps``, build isolation on (so the declared build requirements
+    are the ones used), from copies of the sources, so no ``build/`` left in the tree leaks stale
+    files in.
+
+    :raises AssertionError: when pip fails or does not build exactly one wheel per distribution.
+    """
+    copies = []
+    for source in DISTRIBUTIONS:
+        copy = work / "src" / Path(source).name
+        shutil.copytree(REPO / source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        copies.append(str(copy))
+    dist = work / "dist"
+    argv = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(dist), *copies]
+    done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"pip wheel exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    built = sorted(whl.name.split("-")[0] for whl in dist.glob("*.whl"))
+    assert built == sorted(d.wheel_prefix for d in DISTRIBUTIONS.values()), f"pip wheel built {built}"
+    return {source: next(dist.glob(f"{d.wheel_prefix}-*.whl")) for source, d in DISTRIBUTIONS.items()}
