@@ -10,14 +10,16 @@ on one worker and nobody waits.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import pickle
 import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from certify_helpers import Certified
 from filelock import FileLock  # a dependency of torch's
 
 T = TypeVar("T")
@@ -26,7 +28,11 @@ CPU_CERTIFICATION = "certify-cpu"
 
 
 class OncePerRun:
-    """Results computed once per pytest run, shared by every xdist worker (picklable results only)."""
+    """Results computed once per pytest run, shared by every xdist worker.
+
+    A result travels between workers as JSON (nothing here unpickles): plain values, paths and
+    :class:`Certified` runs, in lists and string-keyed dicts.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -46,11 +52,11 @@ class OncePerRun:
         """
         if key not in self._here:
             self.root.mkdir(parents=True, exist_ok=True)
-            done = self.root / f"{key}.pickle"
+            done = self.root / f"{key}.json"
             with FileLock(str(self.root / f"{key}.lock")):
                 if not done.is_file():
-                    done.write_bytes(pickle.dumps(_outcome(key, make, self.root)))
-                self._here[key] = pickle.loads(done.read_bytes())
+                    done.write_text(json.dumps(_encode(_outcome(key, make, self.root))))
+                self._here[key] = tuple(_decode(json.loads(done.read_text())))
         ok, value = self._here[key]
         if not ok:
             raise RuntimeError(f"the shared run {key!r} failed (in whichever worker ran it first):\n{value}")
@@ -63,3 +69,33 @@ def _outcome(key: str, make: Callable[[Path], Any], root: Path) -> tuple[bool, A
         return True, make(Path(tempfile.mkdtemp(prefix=f"{key}-", dir=root)))
     except Exception:
         return False, traceback.format_exc()
+
+
+def _encode(value: Any) -> Any:
+    """``value`` as JSON values, paths and :class:`Certified` runs tagged so :func:`_decode` rebuilds them."""
+    if isinstance(value, Certified):
+        return {"__certified__": {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, Path):
+        return {"__path__": str(value)}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"a shared run's dict needs string keys to travel as JSON, got {list(value)[:3]}")
+        return {k: _encode(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"a shared run returned a {type(value).__name__}, which cannot travel between workers as JSON")
+
+
+def _decode(value: Any) -> Any:
+    """The inverse of :func:`_encode`."""
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__path__"}:
+            return Path(value["__path__"])
+        if set(value) == {"__certified__"}:
+            return Certified(**{k: _decode(v) for k, v in value["__certified__"].items()})
+        return {k: _decode(v) for k, v in value.items()}
+    return value

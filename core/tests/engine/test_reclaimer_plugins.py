@@ -144,7 +144,17 @@ def test_a_reclaimer_breaking_the_rules_stops_the_engine_naming_its_plugin(insta
 @pytest.mark.slow
 def test_conformance_fails_a_reclaimer_breaking_the_rules(install_plugin):
     install_plugin("badreclaim", BROKEN)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "-x",
+    ]  # -x stops one process
     cmd += ["--pyargs", "vllm_port_conformance.checks.test_reclaimer", "--vllm-port-plugin", "badreclaim"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
