@@ -918,11 +918,26 @@ def _utilization_budget(config: EngineConfig, runtime: Runtime, model: _OpenedMo
     memory, that share less the weights (per rank) and the activations' peak."""
     free, total = runtime.allocator().mem_info()
     itemsize = model.dtype.itemsize
-    weights = -(-model.config.weight_bytes(model.dtype) // config.tensor_parallel_size)
+    if model.imported is None:  # not loaded yet: the bytes config.json's sizes say, per rank
+        weights = -(-model.config.weight_bytes(model.dtype) // config.tensor_parallel_size)
+    else:  # imported, so loaded already: its tensors' bytes, which the free memory no longer counts
+        weights = _module_bytes(model.imported)
+        free += weights
     activations = activation_peak_bytes(model.config, itemsize, config.max_num_batched_tokens, config.max_num_seqs)
     host = runtime.platform.device_type == "cpu"
     where = "host memory" if host else f"platform {runtime.platform.name!r}'s device"
     return memory_utilization_budget(config.gpu_memory_utilization, free, total, weights, activations, where)
+
+
+def _module_bytes(model: Any) -> int:
+    """Bytes of the parameters and buffers of every ``torch.nn.Module`` an imported model holds (shared ones once)."""
+    parts = [*getattr(model, "layers", []), *(getattr(model, n, None) for n in ("embed", "norm", "lm_head"))]
+    seen: dict[int, int] = {}
+    for part in parts:
+        if isinstance(part, torch.nn.Module):
+            for t in itertools.chain(part.parameters(), part.buffers()):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def _make_scheduler(config: EngineConfig, runtime: Runtime, runner: Any, max_model_len: int) -> Scheduler:

@@ -23,12 +23,15 @@ def activation_peak_bytes(config: Any, itemsize: int, max_num_batched_tokens: in
     layer at once (the residual stream and its norm, q/k/v, the MLP's gate and up projections, the
     attention output), plus the logits and the sampler's buffers for up to ``max_num_seqs`` rows.
 
-    :param config: a ``vllm_port.models.ModelConfig`` (``hidden_size``, ``intermediate_size``,
-        ``q_size``, ``kv_size``, ``vocab_size``).
+    :param config: a ``vllm_port.models.ModelConfig`` or an imported model's config (``hidden_size``,
+        ``num_heads``, ``num_kv_heads``, ``head_size``, ``vocab_size``; ``intermediate_size``, taken
+        as 4 × ``hidden_size`` where the config does not say, as an imported model's does not).
     :param itemsize: bytes per element of the model's dtype.
     """
     c = config
-    per_token = (3 * c.hidden_size + c.q_size + 2 * c.kv_size + 2 * c.intermediate_size) * itemsize
+    q, kv = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
+    mlp = getattr(c, "intermediate_size", 4 * c.hidden_size)
+    per_token = (3 * c.hidden_size + q + 2 * kv + 2 * mlp) * itemsize
     rows = min(max_num_seqs, max_num_batched_tokens)
     return max_num_batched_tokens * per_token + rows * c.vocab_size * _SAMPLED_ROW_BYTES
 
