@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import io
+import json
 
+import pytest
+
+from vllm_port_conformance import certify
 from vllm_port_conformance import progress as progress_module
 from vllm_port_conformance.progress import ProgressFile, ProgressLine
 
@@ -55,3 +59,12 @@ def test_nothing_planned_is_done():
     stream = io.StringIO()
     ProgressLine("certify cpu", stream).update(0, 0)
     assert "0/0 checks (100%)" in stream.getvalue()
+
+
+@pytest.mark.slow  # the suite's own process starts (torch, discovery): seconds
+def test_a_partial_certify_shows_its_progress_on_stderr_and_json_alone_on_stdout(capsys):
+    status = certify.main("cpu", None, True, None, None, checks=["test_platform::test_platform_selects_when_available"])
+    captured = capsys.readouterr()
+    assert status == 1  # a partial run never certifies
+    assert json.loads(captured.out)["selection"] == ["test_platform::test_platform_selects_when_available"]
+    assert "certify cpu: 1/1 checks (100%)" in captured.err
