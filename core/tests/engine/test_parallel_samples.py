@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 from fake_runner import FakeRunner, expected_output
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llm_helpers import assert_pool_empty, make_llm, prompts
 
 from vllm_port import SamplingParams
@@ -197,3 +199,34 @@ def test_the_layer_by_layer_copy_forks_as_the_migrator_does(llama_model, cpu_run
     monkeypatch.undo()  # before the engine closes its cache
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
     assert_pool_empty(llm)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 10), st.integers(1, 4)), min_size=1, max_size=5),
+    num_blocks=st.integers(10, 24),
+    budget=st.integers(1, 24),
+    max_seqs=st.integers(1, 8),
+    swap=st.booleans(),
+)
+def test_any_workload_of_forked_samples_finishes_correctly(requests, num_blocks, budget, max_seqs, swap):
+    """Random prompts with random ``n``, pool sizes, budgets and ``max_num_seqs``, with swap or recompute: every
+    sample's output is the fake model's on its prompt alone (the fake runner checks every cache read), and no
+    block is left behind."""
+    reclaimer = DefaultReclaimer(swap_min_tokens=4)
+    sched = make(num_blocks, 16 if swap else 0, budget, max_seqs, reclaimer)
+    sched.config = SchedulerConfig(36, max_seqs, budget, True)
+    runner = FakeRunner(BLOCK)
+    groups = []
+    for i, (length, max_tokens, n) in enumerate(requests):
+        group = forked_request([(i + 5) % 90] * length, n, max_tokens, request_id=str(i))
+        for s in group:
+            s.arrival = i
+        sched.add(group[0])
+        groups.append(group)
+    run(sched, runner, limit=3000)
+    for group in groups:
+        for s in group:
+            want = expected_output(s.prompt_token_ids, s.params.max_tokens)
+            assert s.output_token_ids == want[: 36 - s.num_prompt_tokens], s
+    assert_pool_empty_(sched)
