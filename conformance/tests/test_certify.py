@@ -433,6 +433,8 @@ def test_a_partial_run_holds_the_selected_checks_as_the_whole_suite_runs_them(cp
     whole = {t["id"]: t["state"] for t in cpu_certified.report["tests"]}
     want = {test: state for test, state in whole.items() if any(s in test for s in SELECTED)}
     assert len(want) > 2 and {t["id"]: t["state"] for t in report["tests"]} == want  # the same checks, the same states
+    # its progress, on stderr (not a terminal here: lines, the last one the whole run)
+    assert f"certify cpu: {len(want)}/{len(want)} checks (100%)" in run.stderr and "checks (" not in run.stdout
     assert (
         report["verdict"] == "not certified"
         and "a partial run" in report["reason"]

@@ -216,7 +216,10 @@ def test_slowed_provider_is_named_as_the_regression_against_a_baseline(install_p
     quick = [*QUICK, "--phase", "decode"]
     monkeypatch.setenv("VLLM_PORT_TEST_SLOW_MS", "0")
     assert main(["profile", *quick, "--json", str(base)]) == 0
-    assert "slowops:slow_linear" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "slowops:slow_linear" in captured.out
+    assert "profile: tracing the decode step" in captured.err  # its stages, on stderr as they start
+    assert "profile: timing the decode step: 3 profiled" in captured.err and "profile: timing" not in captured.out
     monkeypatch.setenv("VLLM_PORT_TEST_SLOW_MS", "2")
     assert main(["profile", *quick, "--baseline", str(base), "--json", str(now)]) == 1
     out = capsys.readouterr().out

@@ -44,6 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .progress import PROGRESS_ENV, ProgressFile, ProgressLine
 from .recorder import CHECK_OPTION, DEVICES_OPTION, HYPOTHESIS_PROFILE, OUT_OF_SCOPE, RECORD_OPTION, SEED
 
 __all__ = [
@@ -418,11 +419,17 @@ def _first_probe(tests: list[dict[str, Any]], record: Any, limit_s: float) -> di
 
 
 def _run_suite(
-    plugin: str, record_file: Path, target: str = SUITE, devices: int | None = None, checks: list[str] | None = None
+    plugin: str,
+    record_file: Path,
+    target: str = SUITE,
+    devices: int | None = None,
+    checks: list[str] | None = None,
+    progress: ProgressLine | None = None,
 ) -> tuple[list[dict[str, Any]], int, list[str]]:
     """Run the suite (or the checks of ``target``) on ``plugin`` in a fresh process; its tests, exit status and command.
 
     :param checks: ``--check`` IDs: run only the checks whose id contains one of them.
+    :param progress: where to show the checks done while the suite runs (``None``: nowhere).
     :raises ValueError: when one of ``checks`` selects none of the checks collected.
     :raises RuntimeError: when the suite did not run at all.
     """
@@ -445,17 +452,43 @@ def _run_suite(
         *(f"{CHECK_OPTION}={check}" for check in checks or ()),  # one word: a check may start with "-"
     ]
     env = {**os.environ, "PYTHONHASHSEED": str(SEED)}
+    progress_file = record_file.with_name(record_file.name + ".progress")
+    if progress is not None:
+        env[PROGRESS_ENV] = str(progress_file)  # not on the command line: the report's command stays the suite's
     with tempfile.TemporaryDirectory() as cwd:  # no project's pytest configuration applies
-        # S603: this interpreter running pytest on an installed plugin's name, no shell
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)  # noqa: S603
+        returncode, stdout, stderr = _follow(cmd, cwd, env, ProgressFile(progress_file, progress) if progress else None)
     if not record_file.is_file():
-        raise RuntimeError(
-            f"the suite did not run (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-        )
+        raise RuntimeError(f"the suite did not run (exit {returncode}):\n{stdout[-3000:]}{stderr[-3000:]}")
     data = json.loads(record_file.read_text())
     if data.get("unmatched_checks"):
         raise ValueError(_unmatched_text(plugin, target, data["unmatched_checks"], data.get("collected", 0)))
-    return data["tests"], proc.returncode, cmd
+    return data["tests"], returncode, cmd
+
+
+def _follow(cmd: list[str], cwd: str, env: dict[str, str], progress: ProgressFile | None) -> tuple[int, str, str]:
+    """Run ``cmd`` to its end, showing its progress file's news meanwhile; its exit status, stdout and stderr."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        # S603: this interpreter running pytest on an installed plugin's name, no shell
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True)  # noqa: S603
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if progress is not None:
+                        progress.poll()
+        except BaseException:  # Ctrl-C: the suite goes with this process
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            if progress is not None:
+                progress.poll()
+                progress.line.close()
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read()
 
 
 def _check_installed(plugin: str) -> None:
@@ -489,11 +522,13 @@ def certify(
     argv: list[str] | None = None,
     devices: int | None = None,
     checks: list[str] | None = None,
+    progress: ProgressLine | None = None,
 ) -> dict[str, Any]:
     """Run the suite on ``plugin`` and return the report (with its digest).
 
     :param devices: certify for this many devices (``--devices``); every device found when ``None``.
     :param checks: ``--check`` IDs: a partial run of the checks whose id contains one of them.
+    :param progress: where to show the checks done while the suite runs (``None``: nowhere).
     :raises vllm_port.errors.SelectionError: when no installed plugin is called ``plugin``.
     :raises ValueError: for a ``devices`` the platform cannot give, or a check that selects nothing.
     """
@@ -513,7 +548,7 @@ def certify(
     if record.available or record.error is not None:  # a plugin that did not load is checked by what says why
         target = SUITE if record.available else LOAD_CHECKS
         with tempfile.TemporaryDirectory() as tmp:
-            tests, _, suite_cmd = _run_suite(plugin, Path(tmp) / "record.json", target, devices, checks)
+            tests, _, suite_cmd = _run_suite(plugin, Path(tmp) / "record.json", target, devices, checks, progress)
         by_id = {w.test: w for w in waivers}
         for t in tests:
             w = by_id.get(t["id"])
@@ -786,7 +821,9 @@ def main(
         argv += ["--devices", str(devices)] if devices is not None else []
         argv += [arg for check in checks or () for arg in ("--check", check)]
         argv += ["--json"] if as_json else []
-        report = certify(plugin, Path(waivers) if waivers else None, argv, devices, checks)
+        # on stderr: a terminal sees one line updated in place, a log a line now and then, stdout only the report
+        progress = ProgressLine(f"certify {plugin}")
+        report = certify(plugin, Path(waivers) if waivers else None, argv, devices, checks, progress)
     except SelectionError as exc:  # an unknown PLUGIN, or a VLLM_PORT_* setting discovery refuses: said by exc
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,16 +14,22 @@ A check that the run's scope excludes (a multi-device check when certifying for 
 ``test_ops::test_x[case]``) contains one of the IDs: a partial run, which certification never
 takes for a certificate. An ID that selects nothing deselects every check and is named in the
 record's ``unmatched_checks``, so a misspelt selection is an error rather than an empty pass.
+
+With :data:`~vllm_port_conformance.progress.PROGRESS_ENV` set to a file, it appends a line per
+finished check, ``DONE PLANNED CHECK-ID``, which ``certify`` follows to show its progress.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .progress import PROGRESS_ENV
 
 RECORD_OPTION = "--vllm-port-record"
 DEVICES_OPTION = "--vllm-port-devices"
@@ -104,6 +110,20 @@ class Recorder:
         self.collected = 0
         self.unmatched: list[str] = []
         self.tests: dict[str, dict[str, Any]] = {}
+        self.progress_file = os.environ.get(PROGRESS_ENV) or None
+        self.planned = self.done = 0
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.planned = len(session.items)  # after every deselection
+
+    def _progress(self, report: pytest.TestReport) -> None:
+        """One line per finished check (its teardown reported) to the progress file ``certify`` follows."""
+        if self.progress_file is None or report.when != "teardown":
+            return
+        self.done += 1
+        check = test_id(report.nodeid, report.location[0] if report.location else "")
+        with open(self.progress_file, "a", encoding="utf-8") as f:
+            f.write(f"{self.done} {self.planned} {check}\n")
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         """Keep only the selected checks (``--vllm-port-check``); none at all if a selector matches nothing."""
@@ -128,6 +148,7 @@ class Recorder:
         torch.manual_seed(SEED)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._progress(report)
         entry = self._entry(report)
         entry["duration_s"] = round(entry["duration_s"] + report.duration, 6)
         properties = {k: v for k, v in report.user_properties if k != OUT_OF_SCOPE}

@@ -31,7 +31,7 @@ def __getattr__(name: str) -> object:
         from . import runtime
 
         return getattr(runtime, name)
-    if name in ("LLM", "EngineConfig", "SamplingParams"):
+    if name in ("LLM", "EngineConfig", "SamplingParams", "TextPrompt", "TokensPrompt"):
         from . import engine
 
         return getattr(engine, name)
@@ -63,6 +63,8 @@ __all__ = [
     "Runtime",
     "SamplingParams",
     "SelectionError",
+    "TextPrompt",
+    "TokensPrompt",
     "VllmPortError",
     "__version__",
     "hookimpl",

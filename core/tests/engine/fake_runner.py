@@ -48,6 +48,7 @@ class FakeRunner:
     def execute(self, out: SchedulerOutput) -> list[int]:
         batch = out.batch(self.block_size)
         self.steps.append(batch)
+        self._move(self.slots, self.slots, batch.copies)
         self._move(self.slots, self.swap_slots, batch.swap_out)
         self._move(self.swap_slots, self.slots, batch.swap_in)
         for slot, token in zip(batch.slot_mapping, batch.input_ids, strict=True):
@@ -60,6 +61,6 @@ class FakeRunner:
                 self.slots.get(table[p // self.block_size] * self.block_size + p % self.block_size) for p in range(end)
             ]
             assert seen == seq.token_ids[:end], f"{seq.request_id}: the cache holds {seen}, not {seq.token_ids[:end]}"
-            if i in batch.sample_rows:
-                sampled.append(next_token(seq.token_ids[:end]))
+            # a row per sample: a request's samples waiting to fork draw from the same context
+            sampled += [next_token(seq.token_ids[:end])] * batch.sample_rows.count(i)
         return sampled

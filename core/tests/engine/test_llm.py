@@ -258,7 +258,7 @@ def test_outputs_and_facts(llama_model, cpu_runtime):
     assert llm.provider_per_op["linear"] and set(llm.provider_per_op) >= {"sample", "paged_attention"}
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert out.prompt is None and out.prompt_token_ids == [5, 6, 7] and out.finished
-    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].index == 0
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].index == 0  # the sample index (n=1)
 
 
 def test_max_model_len_is_checked(llama_model, cpu_runtime):

@@ -189,3 +189,13 @@ def test_a_skeleton_the_importer_does_not_reproduce_fails_the_import_check(cpu_r
 def test_tensor_parallel_imported_models_are_refused(cpu_runtime):
     with pytest.raises(ImporterError, match="imported models run on one device"):
         LLM(build_tiny_model("llama"), device=cpu_runtime, tensor_parallel_size=2)
+
+
+@pytest.mark.slow  # importing traces the model: seconds
+def test_gpu_memory_utilization_counts_an_imported_models_loaded_weights(cpu_runtime):
+    model = build_tiny_model("llama")
+    _, total = cpu_runtime.allocator().mem_info()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    llm = LLM(model, device=cpu_runtime, gpu_memory_utilization=(weights + (64 << 20)) / total, max_num_seqs=4)
+    assert 0 < llm.runner.pool.num_blocks * llm.runner.layout.block_bytes < 64 << 20
+    assert len(engine_tokens(llm, prompts([5]))[0]) == 64

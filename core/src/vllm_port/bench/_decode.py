@@ -35,7 +35,7 @@ def greedy(max_tokens: int) -> Any:
 
 def warm_up(llm: Any, prompts: Sequence[Any], *, num_prompts: int = 4, max_tokens: int = 4) -> None:
     """A short greedy run of the first ``num_prompts`` prompts, so that first use is not timed."""
-    llm.generate(list(prompts[:num_prompts]), greedy(max_tokens))
+    llm.generate(list(prompts[:num_prompts]), greedy(max_tokens), use_tqdm=False)
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ def time_decode(
         the sampling parameters), e.g. to stream it and time each request's first token.
     """
     start = time.perf_counter()
-    llm.generate(prompts, greedy(1))
+    llm.generate(prompts, greedy(1), use_tqdm=False)  # no progress bar in what is timed
     prefill_s = time.perf_counter() - start
-    run = whole_run if whole_run is not None else llm.generate
+    run = whole_run or (lambda batch, params: llm.generate(batch, params, use_tqdm=False))
     start = time.perf_counter()
     outputs = run(prompts, greedy(output_len))
     return DecodeTiming(prefill_s=prefill_s, total_s=time.perf_counter() - start, outputs=outputs)

@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from .config import EngineConfig
+from .inputs import TextPrompt, TokensPrompt
 from .sampling_params import SamplingParams
 
 __all__ = [
@@ -20,9 +21,12 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineError",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "StreamOutput",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 
 

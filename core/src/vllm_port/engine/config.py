@@ -60,6 +60,10 @@ class EngineConfig:
     importer: str | None = None
     placement: Any = None
     devices: Sequence[str] | None = None
+    gpu_memory_utilization: float | None = None
+    tokenizer: str | os.PathLike[str] | None = None
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         # the cheap checks, all before anything loads: importing moves, casts and traces the user's module
@@ -78,6 +82,12 @@ class EngineConfig:
         if self.block_size is not None and not (_is_int(self.block_size) and self.block_size >= 1):
             raise ValueError(
                 f"block_size is {self.block_size!r}; it must be a positive int (tokens per KV-cache block)"
+            )
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
+            raise ValueError(
+                f"LLM(gpu_memory_utilization={self.gpu_memory_utilization!r}, kv_cache_memory={self.kv_cache_memory!r}): "
+                "give one of them: gpu_memory_utilization sizes the KV cache from the device's total memory (what the "
+                "weights and activations leave of that share), kv_cache_memory gives the cache's budget itself"
             )
         if self.make_step is not None and self.tensor_parallel_size != 1:
             raise ValueError(
@@ -104,6 +114,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 #: Each checked field, what it accepts and what it must be, in the order they are checked.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tensor_parallel_size": (lambda v: _is_int(v) and v >= 1, "an int >= 1 (devices to shard the model over)"),
@@ -119,4 +133,23 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or _is_int(v), "None or an int"),
     "plugins": (lambda v: v is None or isinstance(v, str), "None or an allow/deny list such as 'cpu' or '-rocm'"),
     "enforce_eager": (lambda v: isinstance(v, bool), "True or False"),
+    "gpu_memory_utilization": (
+        lambda v: v is None or (_is_number(v) and 0.0 < v <= 1.0),
+        "None or a fraction in (0, 1] of the device's total memory the engine may use in all (weights, activations "
+        "and KV cache; on a host platform, of the host's memory)",
+    ),
+    "tokenizer": (
+        lambda v: v is None or isinstance(v, (str, os.PathLike)),
+        "None (the model's tokenizer.json) or a local directory holding a tokenizer.json, or the file's path",
+    ),
+    "tokenizer_mode": (
+        lambda v: v in ("auto", "hf"),
+        "'auto' (or 'hf'): the tokenizer.json, through the tokenizers library; slow, mistral and custom tokenizers "
+        "are not supported",
+    ),
+    "trust_remote_code": (
+        lambda v: v is False,
+        "False: the engine never runs code from a model directory (it loads the architectures of vllm_port.models, "
+        "or transformers' own with importer='hf'); drop trust_remote_code",
+    ),
 }

@@ -30,6 +30,7 @@ import os
 import random
 import signal
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -44,16 +45,17 @@ from ..data import bundled_model_dir
 from ..errors import VllmPortError
 from ..memory import host_memory
 from ..models import load_config
-from ..models.config import model_file
 from ..models.loader import check_fits
 from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
 from .config import EngineConfig
-from .request import Request
+from .inputs import Prompt, unpack_prompt
+from .request import Request, sample_seed
 from .runner import ModelRunner, StepFunction
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
+from .sizing import activation_peak_bytes, memory_utilization_budget
+from .tokenizer import IncrementalDetokenizer, Tokenizer, open_tokenizer
 
 __all__ = [
     "HOST_KV_CACHE_BYTES",
@@ -61,12 +63,10 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineError",
+    "RequestMetrics",
     "RequestOutput",
     "StreamOutput",
 ]
-
-#: A prompt: text (needs the model's tokenizer.json) or token ids.
-Prompt = str | Sequence[int]
 
 
 class EngineError(VllmPortError):
@@ -75,14 +75,17 @@ class EngineError(VllmPortError):
 
 @dataclass
 class CompletionOutput:
-    """What a request generated.
+    """What one sample of a request generated.
 
     Attributes:
-        index: the request's position in the ``generate`` call.
-        text: the generated text (empty without a tokenizer), cut before a stop string.
+        index: which of the request's ``SamplingParams.n`` samples this is (0 to n - 1), as in vLLM.
+        text: the generated text (empty without a tokenizer), cut before a stop string (after it with
+            ``include_stop_str_in_output``); special tokens left out unless ``skip_special_tokens=False``.
         token_ids: the generated token ids (a stop token, or the token completing a stop string, included).
         finish_reason: ``"stop"``, ``"length"``, ``"error"`` or ``"abort"``.
         error: what was wrong with the request, when ``finish_reason == "error"``.
+        stop_reason: what stopped it: the stop token id (of ``stop_token_ids``) or the stop string;
+            ``None`` for the model's end-of-sequence token, a length, an error or an abort (as vLLM).
     """
 
     index: int
@@ -90,11 +93,41 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     error: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """When things happened to a request, as ``time.time()`` seconds (vLLM's ``RequestMetrics``' names).
+
+    Attributes:
+        arrival_time: the request was made (``generate``/``stream`` called).
+        first_scheduled_time: its first step was scheduled (``None``: it never ran, e.g. a bad prompt).
+        first_token_time: its first token (of any sample) was sampled.
+        last_token_time: its latest token was sampled.
+        finished_time: its last sample ended.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to the first scheduled step."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
 class RequestOutput:
-    """One request's prompt and its (single) completion, as vLLM's ``RequestOutput``."""
+    """One request's prompt and its completions (``SamplingParams.n`` of them), as vLLM's ``RequestOutput``.
+
+    Attributes:
+        metrics: when it arrived, was scheduled, sampled its first and last tokens, and finished.
+        num_cached_tokens: prompt tokens found in the prefix cache (not computed) when it was first scheduled.
+    """
 
     request_id: str
     prompt: str | None
@@ -102,11 +135,19 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_preemptions: int = 0
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
 class StreamOutput:
-    """New tokens of one request, as ``stream`` yields them; ``finish_reason`` is set on the request's last one."""
+    """New tokens of one sample of a request, as ``stream`` yields them; ``finish_reason`` is set on each
+    sample's last one.
+
+    Attributes:
+        index: the request's position in the ``stream`` call.
+        sample_index: which of the request's ``SamplingParams.n`` samples these tokens belong to.
+    """
 
     index: int
     request_id: str
@@ -114,6 +155,7 @@ class StreamOutput:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    sample_index: int = 0
 
 
 @dataclass
@@ -130,12 +172,22 @@ class _Call:
 
 @dataclass
 class _Submission:
+    """One sample of one request of a call (a request of ``SamplingParams.n`` samples has n of them)."""
+
     index: int
     prompt: str | None
     seq: Request  # finish_reason "error": refused before scheduling
     detokenizer: IncrementalDetokenizer | None
+    request_id: str  # the caller's id of the request (its samples' own ids differ: _sample_id)
+    metrics: RequestMetrics  # shared by the request's samples
     text: list[str] = field(default_factory=list)
     call: _Call | None = None  # the call that yields this request's deltas, once it runs
+
+    def delta(self, token_ids: list[int], text: str) -> StreamOutput:
+        seq = self.seq
+        return StreamOutput(
+            self.index, self.request_id, token_ids, text, seq.finish_reason, seq.error, seq.sample_index
+        )
 
 
 class LLM:
@@ -180,6 +232,16 @@ class LLM:
         run eagerly, without swap space by default (``docs/placement.md``).
     :param devices: the platforms to load for ``placement`` (the first holds the batch and samples);
         default: ``device`` and every platform the policy names.
+    :param gpu_memory_utilization: as vLLM means it: the fraction in (0, 1] of the device's TOTAL
+        memory this engine may use in all: the weights, the activations' peak (estimated from
+        ``max_num_batched_tokens`` and ``max_num_seqs``) and the KV cache, which gets what remains.
+        On a host platform it is a fraction of the host's total memory. Give it or ``kv_cache_memory``,
+        not both; with neither, ``kv_cache_memory``'s default holds.
+    :param tokenizer: a local directory holding a ``tokenizer.json``, or the file's path, to use
+        instead of the model directory's own.
+    :param tokenizer_mode: ``"auto"`` (or ``"hf"``): the ``tokenizer.json`` through the ``tokenizers``
+        library, the only kind this engine reads.
+    :param trust_remote_code: ``False`` only: the engine never runs code from a model directory.
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -205,29 +267,14 @@ class LLM:
         importer: str | None = None,
         placement: Any = None,
         devices: Sequence[str] | None = None,
+        gpu_memory_utilization: float | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        tokenizer_mode: str = "auto",
+        trust_remote_code: bool = False,
     ) -> None:
-        self._start(
-            EngineConfig(
-                model=model,
-                device=device,
-                dtype=dtype,
-                tensor_parallel_size=tensor_parallel_size,
-                max_model_len=max_model_len,
-                kv_cache_memory=kv_cache_memory,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching,
-                swap_space=swap_space,
-                seed=seed,
-                plugins=plugins,
-                make_step=make_step,
-                enforce_eager=enforce_eager,
-                importer=importer,
-                placement=placement,
-                devices=devices,
-            )
-        )
+        arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
+        del arguments["self"]
+        self._start(EngineConfig(**arguments))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -275,25 +322,51 @@ class LLM:
         """The provider bound to each op for the model's dtype."""
         return dict(self.runner.provider_per_op)
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer that encodes prompts and decodes outputs (vLLM's ``LLM.get_tokenizer``).
+
+        It offers ``encode(text) -> list[int]`` (with the special tokens the tokenizer adds, such as
+        a beginning-of-sequence token), ``decode(token_ids, skip_special_tokens=True) -> str`` and
+        ``vocab_size``: a ``tokenizer.json`` read by the ``tokenizers`` library, not a ``transformers``
+        tokenizer object.
+
+        :raises ValueError: when the model has no tokenizer (its prompts are token ids).
+        """
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.model_dir or 'the imported module'} has no tokenizer.json (prompts are token ids); "
+                "give LLM(tokenizer=DIR) to use one"
+            )
+        return self.tokenizer
+
     # --- generation --------------------------------------------------------------------------------
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in the prompts' order.
+        """Generate for every prompt; outputs in the prompts' order, each with ``SamplingParams.n`` completions.
 
-        :param prompts: a prompt or a list of them; a prompt is text or a list of token ids.
+        :param prompts: a prompt or a list of them; a prompt is text, a list of token ids, or vLLM's
+            ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (:mod:`vllm_port.engine.inputs`).
         :param sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
+        :param use_tqdm: show a progress bar of the prompts done (and output tokens per second) on
+            stderr, as vLLM does, but only when stderr is a terminal: logs, pipes and CI stay clean.
+            A callable is used instead of ``tqdm.tqdm`` to make the bar (vLLM takes one too).
         :raises ValueError: for sampling parameters no request can run with, before anything runs.
         :raises KeyboardInterrupt: on Ctrl-C, once the step under way is done and every request's
             blocks are back in the pool (and swap space).
         """
         requests = self._requests(prompts, sampling_params)
-        for _ in self._run(requests):
-            pass
-        return [self._output(r) for r in requests]
+        progress = _Progress(requests, use_tqdm)
+        try:
+            for delta in self._run(requests):
+                progress.update(delta)
+        finally:
+            progress.close()
+        return [self._output(list(samples)) for _, samples in itertools.groupby(requests, key=_prompt_index)]
 
     def stream(
         self,
@@ -323,21 +396,39 @@ class LLM:
                 )
         requests = []
         for index, (prompt, p) in enumerate(zip(listed, per_prompt, strict=True)):
-            request_id = str(next(self._ids))
-            text = prompt if isinstance(prompt, str) else None
-            ids, problem = self._prompt_ids(prompt)
-            if problem is not None:
-                seq = Request(request_id, -1, ids, p)
-                seq.finish_reason, seq.error = "error", f"request {index}: {problem}"
-                requests.append(_Submission(index, text, seq, None))
-                continue
-            stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
-            seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-            # the scheduler feeds the detokenizer each token, and stops the request on a stop string it finds
-            detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings) if self.tokenizer else None
-            seq = Request(request_id, int(request_id), ids, p, stop_ids, seed, stop_matcher=detok)
-            requests.append(_Submission(index, text, seq, detok))
+            requests += self._samples(index, str(next(self._ids)), prompt, p)
         return requests
+
+    def _samples(self, index: int, request_id: str, prompt: Any, p: SamplingParams) -> list[_Submission]:
+        """A request's ``p.n`` samples: the first is scheduled, the others fork from it once its prompt is computed."""
+        metrics = RequestMetrics(time.time())
+        prompt, problem = unpack_prompt(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        ids: list[int] = []
+        if problem is None:
+            ids, problem = self._prompt_ids(prompt)
+        samples = []
+        if problem is not None:
+            metrics.finished_time = metrics.arrival_time
+            for i in range(p.n):
+                seq = Request(_sample_id(request_id, i), -1, ids, p)
+                seq.sample_index, seq.finish_reason, seq.error = i, "error", f"request {index}: {problem}"
+                samples.append(_Submission(index, text, seq, None, request_id, metrics))
+            return samples
+        stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
+        seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+        for i in range(p.n):
+            # the scheduler feeds the detokenizer each token, and stops the sample on a stop string it finds
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, ids, p.stop_strings, p.include_stop_str_in_output, p.skip_special_tokens
+                )
+            seq = Request(_sample_id(request_id, i), int(request_id), ids, p, stop_ids, sample_seed(seed, i), detok)
+            seq.sample_index = i
+            samples.append(_Submission(index, text, seq, detok, request_id, metrics))
+        samples[0].seq.forks = [r.seq for r in samples[1:]]
+        return samples
 
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
         """The prompt's token ids, and what is wrong with it (``None`` when nothing is)."""
@@ -383,11 +474,12 @@ class LLM:
         mine = [r for r in requests if r.seq.finish_reason != "error"]
         for r in requests:
             if r.seq.finish_reason == "error":
-                call.outputs.append(StreamOutput(r.index, r.seq.request_id, [], "", "error", r.seq.error))
+                call.outputs.append(r.delta([], ""))
         for r in mine:
             r.call = call
             self._live[r.seq.request_id] = r
-            self.scheduler.add(r.seq)
+            if r.seq.sample_index == 0:  # the others fork from it (Request.forks)
+                self.scheduler.add(r.seq)
         call.unfinished = len(mine)
         try:
             while call.outputs or call.unfinished:
@@ -403,24 +495,30 @@ class LLM:
                 self._live.pop(r.seq.request_id, None)
 
     def abort(self, request_id: str) -> bool:
-        """End a running request now: its blocks go back to the pool (its cached prefix stays cached).
+        """End a running request now, every sample of it: its blocks go back to the pool (its cached prefix stays cached).
 
         ``request_id`` is a :class:`StreamOutput`'s ``request_id``. Call it from the thread that
-        consumes the stream, between deltas; the stream then yields the request's last output,
-        with ``finish_reason == "abort"``, and goes on with the others (``generate`` reports the
-        request as aborted with the tokens it had).
+        consumes the stream, between deltas; the stream then yields the last output of each of the
+        request's unfinished samples, with ``finish_reason == "abort"``, and goes on with the others
+        (``generate`` reports them as aborted with the tokens they had).
 
         :return: whether the request was running (``False``: unknown, or already finished).
         """
-        r = self._live.get(request_id)
-        if r is None or r.seq.is_finished or r.call is None:
+        first = self._live.get(request_id)
+        if first is None or first.call is None:
             return False
-        self.scheduler.finish(r.seq, "abort")
-        text = r.detokenizer.flush() if r.detokenizer is not None else ""
-        r.text.append(text)
-        r.call.outputs.append(StreamOutput(r.index, request_id, [], text, "abort"))
-        r.call.unfinished -= 1
-        return True
+        samples = [self._live.get(_sample_id(request_id, i)) for i in range(first.seq.params.n)]
+        running = [r for r in samples if r is not None and not r.seq.is_finished]
+        for r in running:  # all ended before any delta: ending the first ends the samples waiting to fork from it
+            self.scheduler.finish(r.seq, "abort")
+        for r in running:
+            text = r.detokenizer.flush() if r.detokenizer is not None else ""
+            r.text.append(text)
+            r.call.outputs.append(r.delta([], text))
+            r.call.unfinished -= 1
+        if running:
+            first.metrics.finished_time = time.time()
+        return bool(running)
 
     def _step(self) -> None:
         """One engine step: schedule, run, and queue each live request's new token for its call."""
@@ -431,12 +529,23 @@ class LLM:
                 f"a step scheduled nothing while requests wait (waiting: {len(waiting)}, first {waiting[:3]}; "
                 f"running: {len(running)}, first {running[:3]}); please report this"
             )
+        now = time.time()
+        for seq in out.seqs:
+            metrics = self._live[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
         sampled = self.runner.execute(out.batch(self.runner.block_size))
+        now = time.time()
         for seq in self.scheduler.update(out, sampled):
             r = self._live[seq.request_id]
             r.call.outputs.append(self._advance(r))
+            metrics = r.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             if seq.is_finished:
                 r.call.unfinished -= 1
+                metrics.finished_time = now
 
     def _advance(self, r: _Submission) -> StreamOutput:
         seq = r.seq
@@ -444,7 +553,7 @@ class LLM:
             text = r.detokenizer.flush() if r.detokenizer is not None else ""
             r.text.append(text)
             seq.error = f"request {r.index}: {seq.error}"
-            return StreamOutput(r.index, seq.request_id, [], text, "error", seq.error)
+            return r.delta([], text)
         token = seq.token_ids[-1]
         text = ""
         if r.detokenizer is not None:  # fed the token by the scheduler, which also decided on the stop strings
@@ -452,12 +561,45 @@ class LLM:
             if seq.is_finished:
                 text += r.detokenizer.flush()
         r.text.append(text)
-        return StreamOutput(r.index, seq.request_id, [token], text, seq.finish_reason, seq.error)
+        return r.delta([token], text)
 
-    def _output(self, r: _Submission) -> RequestOutput:
+    def _output(self, samples: list[_Submission]) -> RequestOutput:
+        """One request's output from its samples (in sample order)."""
+        first = samples[0]
+        completions = [
+            CompletionOutput(
+                r.seq.sample_index,
+                "".join(r.text),
+                r.seq.output_token_ids,
+                r.seq.finish_reason,
+                r.seq.error,
+                self._stop_reason(r),
+            )
+            for r in samples
+        ]
+        preemptions = sum(r.seq.num_preemptions for r in samples)
+        seq = first.seq
+        return RequestOutput(
+            first.request_id,
+            first.prompt,
+            seq.prompt_token_ids,
+            completions,
+            True,
+            preemptions,
+            first.metrics,
+            seq.num_cached_tokens,
+        )
+
+    def _stop_reason(self, r: _Submission) -> int | str | None:
+        """The stop token id or stop string that ended a sample; ``None`` for end-of-sequence and every other end."""
         seq = r.seq
-        completion = CompletionOutput(r.index, "".join(r.text), seq.output_token_ids, seq.finish_reason, seq.error)
-        return RequestOutput(seq.request_id, r.prompt, seq.prompt_token_ids, [completion], True, seq.num_preemptions)
+        if seq.finish_reason != "stop" or not seq.output_token_ids:
+            return None
+        last = seq.output_token_ids[-1]
+        if last in seq.stop_token_ids:  # the scheduler checks stop tokens before stop strings
+            end_of_sequence = not seq.params.ignore_eos and last in self.config.eos_token_ids
+            return None if end_of_sequence else last
+        return r.detokenizer.matched if r.detokenizer is not None else None
 
     def close(self) -> None:
         """Give the KV cache's memory back (the object is unusable afterwards)."""
@@ -521,8 +663,58 @@ def _unicode_problem(text: str) -> str | None:
     return None
 
 
+def _prompt_index(r: _Submission) -> int:
+    return r.index
+
+
+def _sample_id(request_id: str, sample_index: int) -> str:
+    """The scheduler's id of a request's sample: the request's own for the first, ``"<id>#<i>"`` for the others."""
+    return request_id if sample_index == 0 else f"{request_id}#{sample_index}"
+
+
+class _Progress:
+    """A ``generate`` call's progress bar: prompts done of prompts given, with output tokens per second.
+
+    Made only when asked for (``use_tqdm``) and, with ``tqdm`` itself, only when stderr is a terminal
+    (``disable=None``); a bar of the caller's (a callable) is made as the caller asks.
+    """
+
+    def __init__(self, requests: list[_Submission], use_tqdm: bool | Callable[..., Any]) -> None:
+        self._left: dict[int, int] = {}  # prompt index -> samples not finished
+        for r in requests:
+            self._left[r.index] = self._left.get(r.index, 0) + 1
+        self._tokens = 0
+        self._bar: Any = None
+        if use_tqdm and self._left:
+            from tqdm import tqdm
+
+            make = use_tqdm if callable(use_tqdm) else tqdm
+            options = {} if callable(use_tqdm) else {"disable": None, "dynamic_ncols": True}
+            self._bar = make(total=len(self._left), desc="Processed prompts", unit="prompt", **options)
+            if getattr(self._bar, "disable", False):  # tqdm's own, off: stderr is not a terminal
+                self._bar.close()
+                self._bar = None
+
+    def update(self, delta: StreamOutput) -> None:
+        if self._bar is None:
+            return
+        self._tokens += len(delta.token_ids)
+        if delta.finish_reason is None:
+            return
+        self._left[delta.index] -= 1
+        if self._left[delta.index] == 0:
+            elapsed = self._bar.format_dict.get("elapsed", 0) if hasattr(self._bar, "format_dict") else 0
+            if elapsed:
+                self._bar.set_postfix_str(f"output {self._tokens / elapsed:.1f} tok/s", refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 def _as_prompt_list(prompts: Any) -> list[Any]:
-    if isinstance(prompts, (str, *_BYTES)):
+    if isinstance(prompts, (str, dict, *_BYTES)):
         return [prompts]
     if isinstance(prompts, Sequence) and prompts and all(_is_token_id(t) for t in prompts):
         return [prompts]  # one prompt of token ids
@@ -660,10 +852,8 @@ def _open_model(config: EngineConfig, runtime: Runtime) -> _OpenedModel:
             f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
             f"({model_config.max_position_embeddings}, {source}); lower it"
         )
-    tokenizer = None  # an imported module brings no tokenizer: prompts are token ids
-    if model_dir is not None:
-        model_file(model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
-        tokenizer = Tokenizer.from_model_dir(model_dir)
+    # an imported module brings no tokenizer of its own: prompts are token ids unless tokenizer= names one
+    tokenizer = open_tokenizer(model_dir, config.tokenizer)
     return _OpenedModel(model_dir, imported, model_config, dtype, tokenizer)
 
 
@@ -709,6 +899,8 @@ def _size_cache(config: EngineConfig, runtime: Runtime, model: _OpenedModel, pla
     block_size = runtime.platform.kv_block_size if config.block_size is None else config.block_size
     longest = config.max_model_len or model.config.max_position_embeddings
     budget = _default_kv_budget(runtime) if config.kv_cache_memory is None else config.kv_cache_memory
+    if config.gpu_memory_utilization is not None:
+        budget = _utilization_budget(config, runtime, model)
     swap_space = config.swap_space
     if swap_space is None:
         swap_space = 0 if placement is not None else _default_swap(runtime, budget)
@@ -719,6 +911,33 @@ def _size_cache(config: EngineConfig, runtime: Runtime, model: _OpenedModel, pla
     # whole blocks per sequence: 8 sequences of 48 tokens need 8 blocks of 128, not 3
     max_tokens = config.max_num_seqs * -(-longest // block_size) * block_size
     return _CacheSizing(block_size, budget, swap_space, max_tokens, positions)
+
+
+def _utilization_budget(config: EngineConfig, runtime: Runtime, model: _OpenedModel) -> int:
+    """The KV budget ``gpu_memory_utilization`` leaves: of the device's (a host platform's: the host's) total
+    memory, that share less the weights (per rank) and the activations' peak."""
+    free, total = runtime.allocator().mem_info()
+    itemsize = model.dtype.itemsize
+    if model.imported is None:  # not loaded yet: the bytes config.json's sizes say, per rank
+        weights = -(-model.config.weight_bytes(model.dtype) // config.tensor_parallel_size)
+    else:  # imported, so loaded already: its tensors' bytes, which the free memory no longer counts
+        weights = _module_bytes(model.imported)
+        free += weights
+    activations = activation_peak_bytes(model.config, itemsize, config.max_num_batched_tokens, config.max_num_seqs)
+    host = runtime.platform.device_type == "cpu"
+    where = "host memory" if host else f"platform {runtime.platform.name!r}'s device"
+    return memory_utilization_budget(config.gpu_memory_utilization, free, total, weights, activations, where)
+
+
+def _module_bytes(model: Any) -> int:
+    """Bytes of the parameters and buffers of every ``torch.nn.Module`` an imported model holds (shared ones once)."""
+    parts = [*getattr(model, "layers", []), *(getattr(model, n, None) for n in ("embed", "norm", "lm_head"))]
+    seen: dict[int, int] = {}
+    for part in parts:
+        if isinstance(part, torch.nn.Module):
+            for t in itertools.chain(part.parameters(), part.buffers()):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def _make_scheduler(config: EngineConfig, runtime: Runtime, runner: Any, max_model_len: int) -> Scheduler:

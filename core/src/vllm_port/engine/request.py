@@ -14,11 +14,25 @@ from typing import Protocol
 
 from .sampling_params import SamplingParams
 
-__all__ = ["FINISH_REASONS", "Request", "RequestStatus", "StopMatcher"]
+__all__ = ["FINISH_REASONS", "Request", "RequestStatus", "StopMatcher", "sample_seed"]
 
 #: Why a request ended: a stop token or string (``"stop"``), ``max_tokens`` or the model's
 #: length (``"length"``), a bad request (``"error"``, with a message), or the caller gave up (``"abort"``).
 FINISH_REASONS = ("stop", "length", "error", "abort")
+
+
+#: Spreads the seeds of a request's parallel samples (``SamplingParams.n``) far apart: an odd 63-bit
+#: constant (the golden ratio's bits), so sample ``i``'s seeds never meet sample ``j``'s step seeds.
+_SAMPLE_SEED_STRIDE = 0x1E3779B97F4A7C15
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of a request whose seed is ``seed`` (sample 0 keeps ``seed``).
+
+    A request with ``SamplingParams(n=3, seed=s)`` draws exactly what three requests with seeds
+    ``sample_seed(s, 0)``, ``sample_seed(s, 1)`` and ``sample_seed(s, 2)`` draw alone.
+    """
+    return (seed + sample_index * _SAMPLE_SEED_STRIDE) % 2**63
 
 
 class RequestStatus(enum.Enum):
@@ -82,6 +96,14 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        #: which of its request's parallel samples this is (``SamplingParams.n``; 0 for the first)
+        self.sample_index = 0
+        #: the request's other samples, waiting to fork from this one once its prompt is computed:
+        #: they share its full prompt blocks, get a copy of its partial last block, and draw their
+        #: first token from the same logits with their own seeds (the prompt is computed once)
+        self.forks: list[Request] = []
+        #: prompt tokens found in the prefix cache when the request was first scheduled
+        self.num_cached_tokens = 0
 
     def __repr__(self) -> str:
         return (

@@ -342,11 +342,26 @@ class ModelRunner:
 
     def _migrate(self, batch: StepBatch) -> None:
         # Swaps happen under memory pressure only; waiting for them keeps the step's reads and the
-        # blocks' reuse ordered after the copies on every platform.
+        # blocks' reuse ordered after the copies on every platform. Forked samples' partial blocks
+        # are copied first: their sources may be swapped out or reused by a swap-in next.
+        if batch.copies:
+            self._copy_blocks(batch.copies)
         if batch.swap_out:
             self.runtime.migrator().copy_blocks(self.kv.blocks, self.swap.blocks, batch.swap_out).wait()
         if batch.swap_in:
             self.runtime.migrator().copy_blocks(self.swap.blocks, self.kv.blocks, batch.swap_in).wait()
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks within the KV cache: through the migrator where one tensor holds every
+        layer's blocks, else layer by layer (a placed model's layers live on several platforms)."""
+        if self.kv.blocks is not None:
+            self.runtime.migrator().copy_blocks(self.kv.blocks, self.kv.blocks, pairs).wait()
+            return
+        with torch.inference_mode():
+            for key_cache, value_cache in self.kv_caches:
+                for cache in (key_cache, value_cache):
+                    src, dst = (torch.tensor(ids, device=cache.device) for ids in zip(*pairs, strict=True))
+                    cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def _tensors(self, b: StepBatch) -> tuple[Any, ...]:
         """The step's tensors on the device, from one int64 and one float32 host buffer."""

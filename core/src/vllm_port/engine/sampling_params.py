@@ -57,6 +57,15 @@ class SamplingParams:
         seed: makes sampling reproducible: the same seed, prompt and parameters draw the same tokens
             on every run, whatever else is in the batch. ``None`` draws a fresh seed per request.
         ignore_eos: keep generating past the model's end-of-sequence tokens (benchmarks).
+        n: how many samples to draw for the prompt (an int >= 1): each ``RequestOutput`` then holds
+            ``n`` completions. The prompt is computed once and its KV blocks are shared by the samples
+            (copy-on-write); sample ``i`` draws with its own seed, derived from ``seed`` and ``i``
+            (:func:`vllm_port.engine.request.sample_seed`), so a seeded request's samples are
+            reproducible and distinct.
+        include_stop_str_in_output: keep the stop string that ended the text in it (default: the
+            text ends just before it).
+        skip_special_tokens: leave special tokens (``<s>``, ``</s>``, ...) out of the text (the token
+            ids keep them).
 
     :raises ValueError: for a value no request can run with; the message names the field.
     """
@@ -69,6 +78,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,8 +121,11 @@ class SamplingParams:
             )
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= INT64_MAX):
             raise ValueError(f"SamplingParams.seed is {self.seed!r}; it must be None or an int in [0, 2**63 - 1]")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos is {self.ignore_eos!r}; it must be True or False")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"SamplingParams.n is {self.n!r}; it must be an int >= 1 (samples drawn for the prompt)")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} is {getattr(self, name)!r}; it must be True or False")
         self._stop = tuple(stop)
 
     @property

@@ -18,6 +18,14 @@ Order, first come first served, with no starvation:
    start after the hits. The first that does not fit (blocks, budget, ``max_num_seqs``) stops the
    admissions: nobody overtakes it.
 
+Parallel samples (``SamplingParams.n``): only a request's first sample is queued; the others wait
+on it (``Request.forks``). The step that completes its prompt samples one row of logits once per
+sample, each with its own seed, and then forks each other sample from it: the full prompt blocks are
+shared (one more reference each, ``BlockPool.fork``), the partial last block is copied into a block
+of its own (``StepBatch.copies``, made at the start of the next step, before anything writes).
+A sample that finds no block or no room among ``max_num_seqs`` waits instead, as one preempted by
+recompute (its prompt's full blocks then come back from the prefix cache, when it is on).
+
 The pool is the platform's block pool (:class:`vllm_port.kv_pool.BlockPool`'s interface); swap space
 is a second pool, of the swap tier. Prefix caching registers each block once its tokens are
 computed, chained by content hash; blocks of finished or preempted requests stay cached-free until
@@ -94,6 +102,8 @@ class StepBatch:
             step (it reaches its last known token); the sampling lists are per such row.
         swap_out: ``(device block, swap block)`` copies to make before the step; ``swap_in``:
             ``(swap block, device block)``, made after the swap-outs.
+        copies: ``(device block, device block)`` copies to make first of all: the partial last
+            blocks of forked samples (``SamplingParams.n``).
     """
 
     input_ids: list[int] = field(default_factory=list)
@@ -109,6 +119,7 @@ class StepBatch:
     seeds: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -125,6 +136,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -133,7 +145,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing to run and nothing to copy."""
-        return not self.seqs and not self.swap_out and not self.swap_in
+        return not self.seqs and not self.swap_out and not self.swap_in and not self.copies
 
     def samples(self, index: int) -> bool:
         """Whether scheduled sequence ``index`` reaches its last known token this step (and so samples)."""
@@ -142,7 +154,7 @@ class SchedulerOutput:
 
     def batch(self, block_size: int) -> StepBatch:
         """The step as a :class:`StepBatch` (call before :meth:`Scheduler.update` advances the sequences)."""
-        b = StepBatch(swap_out=list(self.swap_out), swap_in=list(self.swap_in))
+        b = StepBatch(swap_out=list(self.swap_out), swap_in=list(self.swap_in), copies=list(self.copies))
         for i, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
@@ -153,12 +165,13 @@ class SchedulerOutput:
             b.seq_lens.append(end)
             b.query_lens.append(n)
             if end == seq.num_tokens:
-                p = seq.params
-                b.sample_rows.append(i)
-                b.temperatures.append(float(p.temperature))
-                b.top_ps.append(float(p.top_p))
-                b.top_ks.append(max(p.top_k, 0))
-                b.seeds.append(seq.step_seed)
+                for sample in (seq, *seq.forks):  # samples waiting to fork draw from the same logits
+                    p = sample.params
+                    b.sample_rows.append(i)
+                    b.temperatures.append(float(p.temperature))
+                    b.top_ps.append(float(p.top_p))
+                    b.top_ks.append(max(p.top_k, 0))
+                    b.seeds.append(sample.step_seed)
         return b
 
 
@@ -196,6 +209,9 @@ class Scheduler:
         #: preemptions so far, and how many of them swapped (the rest recomputed)
         self.num_preemptions = 0
         self.num_swapped = 0
+        #: partial blocks of samples forked by the last update, to copy before the next step writes:
+        #: ``(sample, source block, its own block)``
+        self._fork_copies: list[tuple[Request, int, int]] = []
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -208,9 +224,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Request, reason: str, error: str | None = None, *, keep_prefix: bool = True) -> None:
-        """End ``seq`` (any status): its blocks go back to the pools (prefix blocks stay cached, unless not ``keep_prefix``)."""
+        """End ``seq`` (any status): its blocks go back to the pools (prefix blocks stay cached, unless not ``keep_prefix``).
+
+        Samples still waiting to fork from ``seq`` end with it.
+        """
         if seq.is_finished:
             return
+        for sample in seq.forks:
+            self.finish(sample, reason, error)
         if seq.status is RequestStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -242,6 +263,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's sequences and token counts; allocate, preempt and swap as needed."""
         out = SchedulerOutput()
+        # before anything this step allocates can be written: samples since ended or preempted need no copy
+        out.copies = [(src, dst) for sample, src, dst in self._fork_copies if dst in sample.block_table]
+        self._fork_copies = []
         budget = self.config.max_num_batched_tokens
         running = list(self.running)
         for i, seq in enumerate(running):
@@ -276,18 +300,50 @@ class Scheduler:
             if not sampling:
                 continue
             token = next(tokens)
-            if seq.is_finished:  # aborted while the step ran: its token is dropped
+            forks, fork_tokens = seq.forks, [next(tokens) for _ in seq.forks]
+            if seq.is_finished:  # aborted while the step ran: its token is dropped (its forks ended with it)
                 continue
-            if isinstance(token, TokenError):
-                self.finish(seq, "error", token.message, keep_prefix=not token.cache_suspect)
-                grown.append(seq)
-                continue
-            seq.append(token)
-            grown.append(seq)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
+            seq.forks = []
+            samples = [(s, t) for s, t in zip(forks, fork_tokens, strict=True) if not s.is_finished]
+            for sample, sample_token in samples:  # before seq's token, which may end seq and free its blocks
+                if not isinstance(sample_token, TokenError):
+                    self._fork(seq, sample)
+            for sample, sample_token in [(seq, token), *samples]:
+                self._take(sample, sample_token, grown)
         return grown
+
+    def _take(self, seq: Request, token: int | TokenError, grown: list[Request]) -> None:
+        """Append ``token`` to ``seq`` (or finish it with the row's error) and stop it if it ends there."""
+        grown.append(seq)
+        if isinstance(token, TokenError):
+            self.finish(seq, "error", token.message, keep_prefix=not token.cache_suspect)
+            return
+        seq.append(token)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.finish(seq, reason)
+
+    def _fork(self, parent: Request, sample: Request) -> None:
+        """Start ``sample`` where ``parent``'s prompt is computed: its full blocks shared, its partial block copied.
+
+        Without a free block for the copy, or room among ``max_num_seqs``, the sample waits as one
+        preempted by recompute.
+        """
+        full = parent.num_computed_tokens // self.block_size
+        partial = parent.block_table[full:]  # the prompt's last, partial block (none when it fills its blocks)
+        own = self.pool.allocate(len(partial)) if len(self.running) < self.config.max_num_seqs else None
+        if own is None:
+            sample.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, sample, key=_arrival)
+            return
+        sample.block_table = self.pool.fork(parent.block_table[:full]) + own
+        self._fork_copies += [(sample, src, dst) for src, dst in zip(partial, own, strict=True)]
+        sample.num_computed_tokens = parent.num_computed_tokens
+        sample.num_cached_tokens = parent.num_cached_tokens
+        sample.block_hashes = parent.block_hashes[:full]
+        sample.num_registered_blocks = min(parent.num_registered_blocks, full)
+        sample.status = RequestStatus.RUNNING
+        bisect.insort(self.running, sample, key=_arrival)
 
     def _stop_reason(self, seq: Request, token: int) -> str | None:
         """Why ``seq`` ends with ``token``, its newest (``None``: it goes on); the one place stopping is decided.
@@ -415,6 +471,8 @@ class Scheduler:
     def _start(self, seq: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Prefix lookups and blocks for the first chunk of a waiting request; its token count, or ``None``."""
         hits = self._lookup(seq) if self.config.enable_prefix_caching else []
+        if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
+            seq.num_cached_tokens = len(hits) * self.block_size
         seq.block_table = hits
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size

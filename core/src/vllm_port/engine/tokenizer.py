@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from ..models.config import read_model_file
+from ..models.config import model_file, read_model_file
 
-__all__ = ["MAX_TOKENIZER_BYTES", "TOKENIZER_FILE", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["MAX_TOKENIZER_BYTES", "TOKENIZER_FILE", "IncrementalDetokenizer", "Tokenizer", "open_tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
 #: The largest ``tokenizer.json`` read: those of 256k-token vocabularies are some 30 MB.
@@ -63,6 +63,32 @@ class Tokenizer:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
+def open_tokenizer(
+    model_dir: str | os.PathLike[str] | None, tokenizer: str | os.PathLike[str] | None = None
+) -> Tokenizer | None:
+    """The engine's tokenizer: ``tokenizer`` when given (a local directory holding a ``tokenizer.json``, or
+    the file's path), else ``model_dir``'s own; ``None`` when neither has one (prompts are then token ids).
+
+    :raises ModelLoadError: for a ``tokenizer`` that is not such a directory or file (naming it), or a
+        ``tokenizer.json`` that links out of its directory.
+    """
+    if tokenizer is None:
+        if model_dir is None:
+            return None
+        model_file(model_dir, TOKENIZER_FILE)  # refuses a tokenizer.json linking out of the directory
+        return Tokenizer.from_model_dir(model_dir)
+    path = Path(tokenizer)
+    if path.is_dir():
+        path = model_file(path, TOKENIZER_FILE)
+    if not path.is_file():
+        raise ModelLoadError(
+            f"LLM(tokenizer={os.fspath(tokenizer)!r}): {path} is not a file; give a local directory holding a "
+            "tokenizer.json, or the file's path (a hub id does not load: `huggingface-cli download ORG/NAME "
+            "--local-dir DIR` first)"
+        )
+    return Tokenizer(path)
+
+
 class IncrementalDetokenizer:
     """Text of a request's output, token by token, and its stop strings.
 
@@ -72,10 +98,25 @@ class IncrementalDetokenizer:
     :param prompt_token_ids: the prompt; its last tokens give the first output token its context.
     :param stop: strings that end the output; text that could still become one is held back
         from :meth:`take`'s answer until it cannot (or until :meth:`flush`).
+    :param include_stop: keep the stop string that ended the output in its text (vLLM's
+        ``include_stop_str_in_output``); by default the text ends just before it.
+    :param skip_special_tokens: leave special tokens (``<s>``, ``</s>``, ...) out of the text, as
+        ``tokenizers``' ``decode`` does with the same flag.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
+        #: the stop string that ended the output (``None`` until one does)
+        self.matched: str | None = None
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens before this are in ``text``
@@ -106,9 +147,9 @@ class IncrementalDetokenizer:
         return self._take(final=True)
 
     def _new_text(self, final: bool) -> str:
-        decode = self.tokenizer.decode
-        before = decode(self._ids[self._prefix : self._read])
-        after = decode(self._ids[self._prefix :])
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        before = decode(self._ids[self._prefix : self._read], skip)
+        after = decode(self._ids[self._prefix :], skip)
         if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
@@ -119,9 +160,10 @@ class IncrementalDetokenizer:
             return
         start = max(len(self.text) - self._hold, 0)
         self.text += new
-        found = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        found = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if found:  # the earliest stop string wins
-            self.text, self.stopped = self.text[: min(found)], True
+            at, self.matched = min(found, key=lambda hit: hit[0])
+            self.text, self.stopped = self.text[: at + (len(self.matched) if self.include_stop else 0)], True
 
     def _take(self, final: bool) -> str:
         end = len(self.text) if final else max(len(self.text) - self._hold, self._emitted)

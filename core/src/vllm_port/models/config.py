@@ -42,6 +42,7 @@ __all__ = [
     "model_file",
     "read_json",
     "read_model_file",
+    "refuse_hub_id",
 ]
 
 #: The ``architectures`` one flat definition (:class:`~vllm_port.models.llama.LlamaModel`) serves.
@@ -474,12 +475,35 @@ def _refuse_unsupported(fields: _Fields, architecture: str) -> None:
         raise fields.fail("mlp_bias", "false (MLP biases are not supported)")
 
 
+#: What a Hugging Face hub id looks like: ``org/name`` (letters, digits, ``-``, ``_``, ``.``).
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def refuse_hub_id(model: str | os.PathLike[str]) -> None:
+    """Refuse a model that is not a local directory, saying how to get one when it reads as a hub id.
+
+    Models load from local directories only: the engine never reaches the network at run time.
+
+    :raises ModelLoadError: for a path that does not exist and looks like ``org/name``.
+    """
+    text = os.fspath(model)
+    if Path(text).exists() or not _HUB_ID.fullmatch(text):
+        return  # a missing plain path gets the missing file's own message
+    raise ModelLoadError(
+        f"{text}: no such local directory. If {text!r} is a Hugging Face hub id: only local directories load "
+        "(the engine never reaches the network at run time); download it first with "
+        f"`huggingface-cli download {text} --local-dir DIR` (or `hf download {text} --local-dir DIR`), "
+        "then pass DIR as the model"
+    )
+
+
 def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     """Read and check ``config.json`` (and ``generation_config.json``'s end-of-sequence ids) of ``model_dir``.
 
     :raises ModelLoadError: for a missing or unreadable file, an unsupported architecture or rope
         scaling, or a field that is missing or of the wrong type or value; the message names the field.
     """
+    refuse_hub_id(model_dir)
     path = model_file(model_dir, "config.json")
     fields = _Fields(path, read_json(path, "config.json"))
     architecture = _architecture(fields)

@@ -9,7 +9,7 @@ share (:mod:`.model`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ def profile_model(
     compile: bool = False,
     min_run_time: float = 0.5,
     model_dir: str = "",
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Profile ``model`` on ``runtime``: every node of each phase's step, grouped by stack layer (JSON-ready).
 
@@ -68,15 +69,19 @@ def profile_model(
         layer's compile time, pieces and graph breaks, and the compiled step's time.
     :param min_run_time: seconds spent timing each plain step's wall time.
     :param block_size: tokens per KV-cache block; default the platform's ``kv_block_size`` (the engine's layout).
+    :param progress: told each stage as it starts (``"tracing the decode step into a flat graph"``): the
+        command shows them, since a profile takes seconds to minutes.
     :raises ProfileError: for options the model cannot run (a context past its positions).
     """
     dtype = dtype or model.dtype
     block_size = block_size or runtime.platform.kv_block_size
     _check_options(model, batch, context, repeats, phases)
+    say = progress or (lambda stage: None)
     device = runtime.device
     flat = FlatModel(model, runtime, dtype, compile=False, block_size=block_size)
     trace_s = {}
     for phase in phases:
+        say(f"tracing the {phase} step into a flat graph")
         began = time.perf_counter()
         flat.graph(phase)
         trace_s[phase] = time.perf_counter() - began
@@ -103,8 +108,11 @@ def profile_model(
         collectives: list[dict[str, Any]] = []
         with torch.no_grad():
             for phase, step in steps.items():
+                say(f"timing the {phase} step: {repeats} profiled, {min_run_time:g} s of wall time")
                 reports[phase], found = _phase_report(step, repeats, activity, device, min_run_time, capture)
                 collectives += [{"phase": phase, **f} for f in found]
+            if compile:
+                say("compiling each step with the vllm_port backend")
             compiled = _compile(model, runtime, dtype, block_size, steps, caches, min_run_time) if compile else None
         memory = _memory(runtime, model, kv, reports)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,18 +128,23 @@ def _run(args: argparse.Namespace) -> int:
     if baseline is not None:
         facts = identity(model, runtime, dtype, args.batch, args.context)
         check_comparable({**facts, "phases": dict.fromkeys(phases)}, baseline, f"baseline {args.baseline}")
-    report = profile_model(
-        model,
-        runtime,
-        dtype,
-        batch=args.batch,
-        context=args.context,
-        phases=phases,
-        repeats=args.repeats,
-        compile=args.compile,
-        min_run_time=args.min_time,
-        model_dir=str(model_dir),
-    )
+    stages = _StageLine(sys.stderr)
+    try:
+        report = profile_model(
+            model,
+            runtime,
+            dtype,
+            batch=args.batch,
+            context=args.context,
+            phases=phases,
+            repeats=args.repeats,
+            compile=args.compile,
+            min_run_time=args.min_time,
+            model_dir=str(model_dir),
+            progress=stages,
+        )
+    finally:
+        stages.close()
     comparison: dict[str, Any] | None = None
     if baseline is not None:
         comparison = compare(report, baseline, args.threshold, args.min_share)
@@ -151,3 +157,23 @@ def _run(args: argparse.Namespace) -> int:
         print(render_comparison(comparison, str(args.baseline)))
         return 0 if comparison["ok"] else 1
     return 0
+
+
+class _StageLine:
+    """The profile's stages on stderr as they start, with the seconds so far: one line updated in place on
+    a terminal, a line each elsewhere (a profile is a handful of stages, so a log stays short)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+
+    def __call__(self, stage: str) -> None:
+        text = f"profile: {stage} [{time.monotonic() - self.start:.0f} s]"
+        self.stream.write(f"\r\x1b[K{text}" if self.tty else f"{text}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")  # the report follows on a clean line
+            self.stream.flush()
