@@ -45,6 +45,7 @@ from ._checks import VALIDATE_ENV, validation, validation_enabled
 from .activation import check_gelu_and_mul, check_silu_and_mul
 from .attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
 from .linear import check_embedding, check_linear
+from .logits import check_process_logits, check_top_logprobs
 from .norm import check_fused_add_rms_norm, check_rms_norm
 from .rotary import check_rotary_embedding
 from .sampling import check_sample
@@ -58,11 +59,13 @@ __all__ = [
     "check_linear",
     "check_paged_attention",
     "check_prefill_attention",
+    "check_process_logits",
     "check_reshape_and_cache",
     "check_rms_norm",
     "check_rotary_embedding",
     "check_sample",
     "check_silu_and_mul",
+    "check_top_logprobs",
     "validation",
     "validation_enabled",
 ]
@@ -79,5 +82,7 @@ INPUT_CHECKS: dict[str, Callable[..., object]] = {
     "paged_attention": check_paged_attention,
     "silu_and_mul": check_silu_and_mul,
     "gelu_and_mul": check_gelu_and_mul,
+    "process_logits": check_process_logits,
     "sample": check_sample,
+    "top_logprobs": check_top_logprobs,
 }
