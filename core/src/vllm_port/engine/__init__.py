@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from .config import EngineConfig
+from .logprobs import Logprob
 from .sampling_params import SamplingParams
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineError",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "StreamOutput",

@@ -49,10 +49,11 @@ from ..models.loader import check_fits
 from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
 from .config import EngineConfig
+from .logprobs import Logprob
 from .request import Request
 from .runner import ModelRunner, StepFunction
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, TopLogprobs
 from .tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
 __all__ = [
@@ -83,6 +84,9 @@ class CompletionOutput:
         token_ids: the generated token ids (a stop token, or the token completing a stop string, included).
         finish_reason: ``"stop"``, ``"length"``, ``"error"`` or ``"abort"``.
         error: what was wrong with the request, when ``finish_reason == "error"``.
+        logprobs: with ``SamplingParams.logprobs``: per generated token, token id -> :class:`Logprob`
+            (the top ones and the drawn token's, so ``logprobs`` or ``logprobs + 1`` entries).
+        cumulative_logprob: with ``SamplingParams.logprobs``: the sum of the drawn tokens' logprobs.
     """
 
     index: int
@@ -90,11 +94,17 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     error: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
 class RequestOutput:
-    """One request's prompt and its (single) completion, as vLLM's ``RequestOutput``."""
+    """One request's prompt and its (single) completion, as vLLM's ``RequestOutput``.
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): per prompt token, token id ->
+    :class:`Logprob` (the top ones and the prompt's own), ``None`` for the first token.
+    """
 
     request_id: str
     prompt: str | None
@@ -102,11 +112,16 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_preemptions: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
 class StreamOutput:
-    """New tokens of one request, as ``stream`` yields them; ``finish_reason`` is set on the request's last one."""
+    """New tokens of one request, as ``stream`` yields them; ``finish_reason`` is set on the request's last one.
+
+    ``logprobs`` (with ``SamplingParams.logprobs``): one dict per token of ``token_ids``, as in
+    :attr:`CompletionOutput.logprobs`.
+    """
 
     index: int
     request_id: str
@@ -114,6 +129,7 @@ class StreamOutput:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -136,6 +152,8 @@ class _Submission:
     detokenizer: IncrementalDetokenizer | None
     text: list[str] = field(default_factory=list)
     call: _Call | None = None  # the call that yields this request's deltas, once it runs
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token, when asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per prompt token, when asked
 
 
 class LLM:
@@ -321,11 +339,17 @@ class LLM:
                     f"SamplingParams.stop {list(p.stop_strings)}: stop strings need the model's tokenizer, and "
                     f"{self.model_dir} has no tokenizer.json; use stop_token_ids"
                 )
+            if p.bad_words and self.tokenizer is None:
+                raise ValueError(
+                    f"SamplingParams.bad_words {p.bad_words!r:.100}: bad words need the model's tokenizer, and "
+                    f"{self.model_dir} has no tokenizer.json; ban token ids with logit_bias (-100) instead"
+                )
         requests = []
         for index, (prompt, p) in enumerate(zip(listed, per_prompt, strict=True)):
             request_id = str(next(self._ids))
             text = prompt if isinstance(prompt, str) else None
             ids, problem = self._prompt_ids(prompt)
+            problem = problem or _token_ids_problem(p, self.config.vocab_size)
             if problem is not None:
                 seq = Request(request_id, -1, ids, p)
                 seq.finish_reason, seq.error = "error", f"request {index}: {problem}"
@@ -334,9 +358,16 @@ class LLM:
             stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
             # the scheduler feeds the detokenizer each token, and stops the request on a stop string it finds
-            detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings) if self.tokenizer else None
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings, p.min_tokens) if self.tokenizer else None
+            )
             seq = Request(request_id, int(request_id), ids, p, stop_ids, seed, stop_matcher=detok)
-            requests.append(_Submission(index, text, seq, detok))
+            if p.bad_words:
+                seq.bad_words_token_ids = _bad_words_token_ids(self.tokenizer, p.bad_words)
+            submission = _Submission(index, text, seq, detok)
+            if p.prompt_logprobs is not None:
+                submission.prompt_logprobs = [None] * len(ids)
+            requests.append(submission)
         return requests
 
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
@@ -431,12 +462,39 @@ class LLM:
                 f"a step scheduled nothing while requests wait (waiting: {len(waiting)}, first {waiting[:3]}; "
                 f"running: {len(running)}, first {running[:3]}); please report this"
             )
-        sampled = self.runner.execute(out.batch(self.runner.block_size))
+        batch = out.batch(self.runner.block_size)
+        sampled = self.runner.execute(batch)
+        self._record_logprobs(out, batch, sampled)
         for seq in self.scheduler.update(out, sampled):
             r = self._live[seq.request_id]
             r.call.outputs.append(self._advance(r))
             if seq.is_finished:
                 r.call.unfinished -= 1
+
+    def _record_logprobs(self, out: Any, batch: Any, sampled: Any) -> None:
+        """Keep the logprobs the step computed (``StepResult``) on the requests that asked for them."""
+        rows = getattr(sampled, "logprobs", None)
+        prompts = getattr(sampled, "prompt_logprobs", None)
+        if not rows and not prompts:
+            return
+        for row, found in (rows or {}).items():
+            r = self._live.get(out.seqs[batch.sample_rows[row]].request_id)
+            if r is not None and not r.seq.is_finished:
+                r.logprobs.append(self._as_logprobs(found))
+        for index, positions in (prompts or {}).items():
+            r = self._live.get(out.seqs[index].request_id)
+            if r is not None:
+                for position, found in positions:  # a recomputed prompt (after a preemption) rewrites the same values
+                    r.prompt_logprobs[position] = self._as_logprobs(found)
+
+    def _as_logprobs(self, found: TopLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs as vLLM gives them: the chosen token's first, then the top ones (ranks 1, 2...)."""
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else None
+        entries = {found.token_id: Logprob(found.logprob, found.rank, decode(found.token_id) if decode else None)}
+        for rank, (token, logprob) in enumerate(found.top, start=1):
+            if token not in entries:
+                entries[token] = Logprob(logprob, rank, decode(token) if decode else None)
+        return entries
 
     def _advance(self, r: _Submission) -> StreamOutput:
         seq = r.seq
@@ -452,12 +510,21 @@ class LLM:
             if seq.is_finished:
                 text += r.detokenizer.flush()
         r.text.append(text)
-        return StreamOutput(r.index, seq.request_id, [token], text, seq.finish_reason, seq.error)
+        logprobs = r.logprobs[-1:] if seq.params.logprobs is not None else None
+        return StreamOutput(r.index, seq.request_id, [token], text, seq.finish_reason, seq.error, logprobs)
 
     def _output(self, r: _Submission) -> RequestOutput:
         seq = r.seq
         completion = CompletionOutput(r.index, "".join(r.text), seq.output_token_ids, seq.finish_reason, seq.error)
-        return RequestOutput(seq.request_id, r.prompt, seq.prompt_token_ids, [completion], True, seq.num_preemptions)
+        if seq.params.logprobs is not None:
+            completion.logprobs = r.logprobs
+            completion.cumulative_logprob = sum(
+                entries[token].logprob for entries, token in zip(r.logprobs, seq.output_token_ids, strict=False)
+            )
+        output = RequestOutput(seq.request_id, r.prompt, seq.prompt_token_ids, [completion], True, seq.num_preemptions)
+        if seq.params.prompt_logprobs is not None:
+            output.prompt_logprobs = r.prompt_logprobs or None
+        return output
 
     def close(self) -> None:
         """Give the KV cache's memory back (the object is unusable afterwards)."""
@@ -499,6 +566,26 @@ def _interrupt_after_step() -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if held:
         raise KeyboardInterrupt
+
+
+def _token_ids_problem(params: SamplingParams, vocab: int) -> str | None:
+    """What is wrong with the token ids a request's ``logit_bias`` and ``allowed_token_ids`` name (``None``: nothing)."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        outside = sorted({t for t in ids if t >= vocab})
+        if outside:
+            return f"SamplingParams.{name} names token id(s) {outside[:5]} outside the model's vocabulary [0, {vocab})"
+    return None
+
+
+def _bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token ids, as written and after a space (mid-sentence), as vLLM bans them."""
+    found: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in found:
+                found.append(ids)
+    return found
 
 
 def _is_token_id(value: Any) -> bool:

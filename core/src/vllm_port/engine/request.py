@@ -82,6 +82,8 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        #: ``params.bad_words`` as token ids (the engine's tokenizer makes them; the scheduler bans them)
+        self.bad_words_token_ids: list[list[int]] = []
 
     def __repr__(self) -> str:
         return (

@@ -41,7 +41,7 @@ from ..memory import KVLayout
 from ..models import AttentionMetadata, LlamaModel, load_model
 from ..ops import BoundOps
 from ..ops.debug import CheckedOp, blame, provider_fault, scrutinize
-from .scheduler import StepBatch, TokenError
+from .scheduler import StepBatch, StepResult, TokenError, TopLogprobs
 
 __all__ = ["ModelRunner", "StepFunction", "default_step", "eager_step", "flat_step"]
 
@@ -237,6 +237,7 @@ class ModelRunner:
             and batch.is_decode
             and len(batch.query_lens) <= graphs.batch_sizes[-1]
             and len(batch.sample_rows) == len(batch.query_lens)
+            and not batch.prompt_logprobs
         )
 
     # --- one step ----------------------------------------------------------------------------------
@@ -253,19 +254,29 @@ class ModelRunner:
         self.num_steps += 1
         with torch.inference_mode(), blame(self.ops):  # a provider that raises is named (no cost otherwise)
             ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
+            prompt_rows = self._prompt_rows(batch) if batch.prompt_logprobs else None
             if self._captured(batch):  # rows are every sequence, in order
                 logits = self.decode_graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            elif prompt_rows is not None:  # the prompt positions whose logprobs are asked for, after the sampling rows
+                both = self.step(ids, positions, self.kv_caches, meta, torch.cat((rows, prompt_rows[0])))
+                logits, prompt_logits = both[: len(rows)], both[len(rows) :]
             else:
                 logits = self.step(ids, positions, self.kv_caches, meta, rows)
             if not batch.sample_rows:
-                return []
+                return self._with_prompt_logprobs(batch, [], prompt_rows, prompt_logits) if prompt_rows else []
             # a flag per row, on the device: NaN and Inf make the row's float32 sum non-finite (so would
             # finite logits past 1e34, which _non_finite_row tells apart); one read of the logits
-            if any(batch.temperatures):
+            if any(batch.temperatures) or batch.processing:
                 finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
                 # the sample op's contract refuses NaN logits: such rows draw from zeros (their id is dropped)
                 usable = logits.masked_fill(~finite[:, None], 0.0)
-                sampled = self._checked_ids(self.ops.sample(usable, temperature, top_k, top_p, seeds), len(rows))
+                # penalties, min_p, biases and bans: only in a step where some request has them
+                processed = self._processed(batch, usable, temperature) if batch.processing else usable
+                if any(batch.temperatures):
+                    sampled = self.ops.sample(processed, temperature, top_k, top_p, seeds)
+                else:  # every row greedy: the argmax of the processed logits (lowest id on ties)
+                    sampled = processed.argmax(dim=-1)
+                sampled = self._checked_ids(sampled, len(rows))
             else:  # every row greedy: the sample op's answer by contract, without its sort and noise
                 # widened first: exact, so the same ids and ties, and argmax over float32 is several
                 # times faster than over bfloat16/float16 on CPU (a few ms a step over 32000 columns)
@@ -275,10 +286,110 @@ class ModelRunner:
             tokens, flags = torch.stack((sampled, finite.to(sampled.dtype))).tolist()  # the step's one host sync
             vocab = logits.shape[-1]
             if all(flags) and min(tokens) >= 0 and max(tokens) < vocab:
-                return tokens
-            return self._row_errors(
-                batch, logits, tokens, flags, lambda: self.step(ids, positions, self.kv_caches, meta, rows)
-            )
+                result: list[int | TokenError] = tokens
+            else:
+                result = self._row_errors(
+                    batch, logits, tokens, flags, lambda: self.step(ids, positions, self.kv_caches, meta, rows)
+                )
+            if batch.logprobs:  # a second transfer, only when some request asks for logprobs
+                result = self._with_logprobs(batch, result, logits, sampled)
+            if prompt_rows is not None:
+                result = self._with_prompt_logprobs(batch, result, prompt_rows, prompt_logits)
+            return result
+
+    # --- logits processors and logprobs (only for steps whose requests ask for them) ---------------
+
+    def _processed(self, batch: StepBatch, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """The bound ``process_logits`` over every sampling row; rows without processors get its identity."""
+        rows, vocab = logits.shape
+        device = logits.device
+        bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        per_row = [[1.0] * rows, [0.0] * rows, [0.0] * rows, [0.0] * rows]
+        allowed_rows, allowed, biased, banned, seen, generated = [], [], [], [], [], []
+        for row, p in batch.processing.items():
+            for values, value in zip(
+                per_row, (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p), strict=False
+            ):
+                values[row] = value
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(row)
+                allowed += [(row, t) for t in p.allowed_token_ids]
+            biased += [(row, t, v) for t, v in p.logit_bias.items()]
+            banned += [(row, t) for t in p.banned_token_ids if t < vocab]
+            seen += [(row, t) for t in p.prompt_token_ids]
+            generated += [(row, t) for t in p.output_token_ids if 0 <= t < vocab]
+
+        def at(pairs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            index = torch.tensor([pair[:2] for pair in pairs], dtype=torch.int64).to(device).t()
+            return index[0], index[1]
+
+        if allowed_rows:  # everything else banned in those rows
+            bias[torch.tensor(allowed_rows, device=device)] = float("-inf")
+            bias[at(allowed)] = 0.0
+        if biased:
+            values = torch.tensor([v for *_, v in biased], dtype=torch.float32).to(device)
+            bias.index_put_(at(biased), values, accumulate=True)
+        if banned:
+            bias[at(banned)] = float("-inf")
+        if seen:
+            prompt[at(seen)] = True
+        if generated:
+            counts.index_put_(at(generated), torch.ones(len(generated), dtype=torch.int32, device=device), True)
+        repetition, frequency, presence, min_p = self._upload([x for v in per_row for x in v], torch.float32).split(
+            rows
+        )
+        return self.ops.process_logits(
+            logits, bias, counts, prompt, repetition, frequency, presence, temperature, min_p
+        )
+
+    def _with_logprobs(
+        self, batch: StepBatch, result: list[Any], logits: torch.Tensor, sampled: torch.Tensor
+    ) -> StepResult:
+        """``result`` with the drawn tokens' logprobs (of the raw logits) for the rows that ask for them."""
+        asking = sorted(batch.logprobs)
+        at = torch.tensor(asking, dtype=torch.int64).to(logits.device)
+        vocab = logits.shape[-1]
+        raw = logits.index_select(0, at)
+        raw = raw.masked_fill(~raw.isfinite().all(dim=-1, keepdim=True), 0.0)  # such a row is an error anyway
+        ids = sampled.index_select(0, at).clamp(0, vocab - 1)
+        values, indices = self.ops.top_logprobs(raw, ids, max(batch.logprobs[r] for r in asking))
+        found = _top_logprobs(values.tolist(), indices.tolist(), ids.tolist(), [batch.logprobs[r] for r in asking])
+        return StepResult(result, dict(zip(asking, found, strict=True)), getattr(result, "prompt_logprobs", None))
+
+    def _prompt_rows(self, batch: StepBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The packed rows of the prompt positions whose logprobs are asked for, and ``(sequence, index of the prompt
+        token, that token)`` for each: a position's logits predict the next prompt token."""
+        starts, total = [], 0
+        for n in batch.query_lens:
+            starts.append(total)
+            total += n
+        rows, where = [], []
+        for seq, (_, targets) in sorted(batch.prompt_logprobs.items()):
+            first = batch.seq_lens[seq] - batch.query_lens[seq]  # the chunk's first position
+            for offset, token in enumerate(targets):
+                rows.append(starts[seq] + offset)
+                where.append((seq, first + offset + 1, token))
+        return torch.tensor(rows, dtype=torch.int64).to(self.device), where
+
+    def _with_prompt_logprobs(
+        self, batch: StepBatch, result: list[Any], prompt_rows: Any, logits: torch.Tensor
+    ) -> StepResult:
+        """``result`` with the logprobs of the prompt tokens this step's logits predict."""
+        _, where = prompt_rows
+        out = StepResult(result, getattr(result, "logprobs", None))
+        if not where:
+            return out
+        raw = logits.masked_fill(~logits.isfinite().all(dim=-1, keepdim=True), 0.0)
+        ids = [token for *_, token in where]
+        wanted = [batch.prompt_logprobs[seq][0] for seq, *_ in where]
+        values, indices = self.ops.top_logprobs(raw, torch.tensor(ids).to(raw.device), max(wanted))
+        for (seq, index, _), found in zip(
+            where, _top_logprobs(values.tolist(), indices.tolist(), ids, wanted), strict=False
+        ):
+            out.prompt_logprobs.setdefault(seq, []).append((index, found))
+        return out
 
     def _checked_ids(self, sampled: Any, rows: int) -> torch.Tensor:
         """The sample op's answer, refused unless it is one integer id per row (metadata only: no sync)."""
@@ -394,6 +505,16 @@ class ModelRunner:
         if self._pinned:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
+
+
+def _top_logprobs(
+    values: list[list[float]], indices: list[list[int]], token_ids: list[int], wanted: list[int]
+) -> list[TopLogprobs]:
+    """The ``top_logprobs`` op's rows (read on the host) as :class:`TopLogprobs`, each cut to the number its request wants."""
+    return [
+        TopLogprobs(token, v[0], i[0], tuple(zip(i[1 : 1 + n], v[1 : 1 + n], strict=True)))
+        for v, i, token, n in zip(values, indices, token_ids, wanted, strict=True)
+    ]
 
 
 def _non_finite_row(row: torch.Tensor) -> str:

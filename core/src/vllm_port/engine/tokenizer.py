@@ -55,9 +55,10 @@ class Tokenizer:
         """Ids the tokenizer knows, added tokens included."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds (a beginning-of-sequence token)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds (a beginning-of-sequence token) unless not
+        ``add_special_tokens``."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
@@ -72,9 +73,12 @@ class IncrementalDetokenizer:
     :param prompt_token_ids: the prompt; its last tokens give the first output token its context.
     :param stop: strings that end the output; text that could still become one is held back
         from :meth:`take`'s answer until it cannot (or until :meth:`flush`).
+    :param min_tokens: stop strings are looked for only once this many tokens were fed (``min_tokens``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0  # window start
@@ -84,12 +88,15 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output so far (cut before a stop string once one is found)
         self._emitted = 0  # characters of ``text`` handed out by add()
         self.stopped = False
+        self.min_tokens = min_tokens
+        self._fed = 0
 
     def feed(self, token_id: int) -> bool:
         """Decode one more output token; whether a stop string has appeared (:attr:`stopped`).
 
         The text then ends before the stop string, and later tokens add nothing.
         """
+        self._fed += 1
         if not self.stopped:
             self._ids.append(token_id)
             self._append(self._new_text(final=False))
@@ -119,6 +126,8 @@ class IncrementalDetokenizer:
             return
         start = max(len(self.text) - self._hold, 0)
         self.text += new
+        if self._fed < self.min_tokens:
+            return
         found = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if found:  # the earliest stop string wins
             self.text, self.stopped = self.text[: min(found)], True

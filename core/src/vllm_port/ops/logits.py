@@ -63,7 +63,15 @@ _ROW_ARGS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "tem
 
 
 def check_process_logits(
-    logits, bias, output_counts, prompt_mask, repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p
+    logits,
+    bias,
+    output_counts,
+    prompt_mask,
+    repetition_penalty,
+    frequency_penalty,
+    presence_penalty,
+    temperature,
+    min_p,
 ) -> None:
     """Refuse arguments outside ``process_logits``'s contract; values are checked under validation."""
     op = "process_logits"
@@ -81,14 +89,23 @@ def check_process_logits(
                 f"{op}: {arg} must be a {str(kinds[0]).removeprefix('torch.')} tensor of logits' shape "
                 f"{list(logits.shape)} (one entry per sequence and token)"
             )
-    for arg, t in zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p)):
+    for arg, t in zip(
+        _ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=False
+    ):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (rows,):
             raise OpInputError(f"{op}: {arg} must be a float32 tensor of shape [{rows}] (one value per sequence)")
-    for arg, t in (("bias", bias), ("output_counts", output_counts), ("prompt_mask", prompt_mask)) + tuple(
-        zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p))
+    for arg, t in (
+        ("bias", bias),
+        ("output_counts", output_counts),
+        ("prompt_mask", prompt_mask),
+        *tuple(
+            zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=False)
+        ),
     ):
         if t.device != logits.device:
-            raise OpInputError(f"{op}: {arg} is on {t.device} but logits is on {logits.device}; move them to one device")
+            raise OpInputError(
+                f"{op}: {arg} is on {t.device} but logits is on {logits.device}; move them to one device"
+            )
     if reads_values(logits, bias, output_counts, repetition_penalty):
         _check_process_values(logits, bias, output_counts, repetition_penalty, frequency_penalty, presence_penalty,
                               temperature, min_p)  # fmt: skip
@@ -263,11 +280,28 @@ def _process_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
         case("presence penalty per row", 100, none, zeros, [0.5, -0.5, 2.0, -2.0], [1.0] * 4, zeros, seen=0.4),
         case("min_p per row", 100, none, zeros, zeros, [1.0, 0.5, 1.5, 0.0], [0.1, 0.05, 0.3, 0.5], scale=1.5),
         case("min_p 1 keeps the maxima", 100, none, zeros, zeros, [1.0] * 4, [1.0] * 4),
-        case("every processor at once", 1000, [1.3, 0.9, 1.1, 1.0], [0.4, 0.0, -0.3, 1.0], [0.2, 1.0, 0.0, -0.4],
-             [0.8, 1.0, 0.0, 1.2], [0.05, 0.0, 0.3, 0.1], bans=0.02, bias=2.0),  # fmt: skip
+        case(
+            "every processor at once",
+            1000,
+            [1.3, 0.9, 1.1, 1.0],
+            [0.4, 0.0, -0.3, 1.0],
+            [0.2, 1.0, 0.0, -0.4],
+            [0.8, 1.0, 0.0, 1.2],
+            [0.05, 0.0, 0.3, 0.1],
+            bans=0.02,
+            bias=2.0,
+        ),
         # the variants' base: every argument read, and biases finite (row variants draw fresh ones like them)
-        case("every processor, finite biases", 100, [1.3, 0.9, 1.1, 1.0], [0.4, 0.0, -0.3, 1.0], [0.2, 1.0, 0.0, -0.4],
-             [0.8, 1.0, 0.0, 1.2], [0.05, 0.0, 0.3, 0.1], bias=2.0),  # fmt: skip
+        case(
+            "every processor, finite biases",
+            100,
+            [1.3, 0.9, 1.1, 1.0],
+            [0.4, 0.0, -0.3, 1.0],
+            [0.2, 1.0, 0.0, -0.4],
+            [0.8, 1.0, 0.0, 1.2],
+            [0.05, 0.0, 0.3, 0.1],
+            bias=2.0,
+        ),
         mixed("mixed batch", 64, 1000),
         mixed("256 rows", 256, 64),
         mixed("llama2 vocabulary", 3, 32000),
@@ -332,7 +366,9 @@ process_logits = Op(
     value_errors=_process_value_errors,
     fake=lambda logits, *_args: logits.new_empty(logits.shape, dtype=torch.float32),
     checker=_check_processed,
-    variants=Variants(base="every processor, finite biases", rows=("logits", "bias", "output_counts", "prompt_mask", *_ROW_ARGS)),
+    variants=Variants(
+        base="every processor, finite biases", rows=("logits", "bias", "output_counts", "prompt_mask", *_ROW_ARGS)
+    ),
 )
 
 
@@ -512,7 +548,5 @@ top_logprobs = Op(
     value_errors=_logprob_value_errors,
     fake=_fake_logprobs,
     checker=_check_logprobs,
-    variants=Variants(
-        base="64 rows", index={"token_ids": (torch.int32, torch.int64)}, rows=("logits", "token_ids")
-    ),
+    variants=Variants(base="64 rows", index={"token_ids": (torch.int32, torch.int64)}, rows=("logits", "token_ids")),
 )

@@ -143,7 +143,9 @@ class LogitsKernels:
             return out
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        per_row = [t.contiguous() for t in (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p)]
+        per_row = [
+            t.contiguous() for t in (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p)
+        ]
         _process_kernel[(rows,)](
             logits, logits.stride(0), bias.contiguous(), output_counts.contiguous(),
             prompt_mask.contiguous().view(torch.int8), *per_row, out, vocab,
