@@ -303,11 +303,20 @@ def _process_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
             bias=2.0,
         ),
         mixed("mixed batch", 64, 1000),
+        _as_column_slice(mixed("logits a slice of a wider buffer", 8, 100)),
         mixed("256 rows", 256, 64),
         mixed("llama2 vocabulary", 3, 32000),
         mixed("llama3-8b vocabulary", 2, 128256),
         mixed("qwen2 vocabulary", 2, 151936),
     ]
+
+
+def _as_column_slice(sample: SampleInput) -> SampleInput:
+    """``sample`` with its logits the first columns of a wider buffer (rows strided, as a fused LM head's output)."""
+    logits = sample.args[0]
+    wide = torch.full((logits.shape[0], logits.shape[1] + 24), float("nan"), dtype=logits.dtype, device=logits.device)
+    wide[:, : logits.shape[1]] = logits
+    return SampleInput(sample.label, (wide[:, : logits.shape[1]], *sample.args[1:]), sample.large)
 
 
 def _process_errors(device: torch.device) -> list[ErrorInput]:
@@ -507,6 +516,7 @@ def _logprob_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
         case("large logits", 8, 1000, 20, scale=0.3, offset=24.0),
         case("every token", 2, 20, 20),
         case("64 rows", 64, 1000, 5),
+        _as_column_slice(case("logits a slice of a wider buffer", 8, 100, 3)),
         case("256 rows", 256, 64, 3),
         case("llama2 vocabulary", 3, 32000, 5),
         case("llama3-8b vocabulary", 2, 128256, 20),
