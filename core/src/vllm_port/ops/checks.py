@@ -25,7 +25,8 @@ fix::
   >= 0, the block-table entries a sequence reads within the caches' blocks, ``cu_seqlens_q``
   starting at 0, non-decreasing, ending at ``query``'s token count, every query length within
   ``max_query_len`` and its sequence's length, temperatures finite and >= 0, top_p in (0, 1], no NaN
-  logit. Reading a tensor's values on an accelerator waits for the device (and is illegal under
+  logit, penalties finite (repetition > 0), min_p in [0, 1], biases finite or -inf, counts >= 0,
+  logprob token ids within the vocabulary. Reading a tensor's values on an accelerator waits for the device (and is illegal under
   CUDA/HIP graph capture), and even on the CPU these checks cost a few to tens of microseconds per
   call, repeated by every layer of a step; the engine builds these tensors itself, so in
   production they are trusted, and a bad one is found by turning validation on. Conformance
