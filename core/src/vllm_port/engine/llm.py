@@ -479,7 +479,7 @@ class LLM:
             return
         for row, found in (rows or {}).items():
             r = self._live.get(out.seqs[batch.sample_rows[row]].request_id)
-            if r is not None and not r.seq.is_finished:
+            if r is not None and not r.seq.is_finished and isinstance(sampled[row], int):  # not a TokenError
                 r.logprobs.append(self._as_logprobs(found))
         for index, positions in (prompts or {}).items():
             r = self._live.get(out.seqs[index].request_id)

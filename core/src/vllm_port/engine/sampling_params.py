@@ -99,6 +99,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    _processes: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -193,10 +194,7 @@ class SamplingParams:
                     "of the most likely tokens to return; 0: only the chosen one)"
                 )
 
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the request needs its logits processed before the draw (penalties, min_p, biases, bans)."""
-        return bool(
+        self._processes = bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1
@@ -206,6 +204,14 @@ class SamplingParams:
             or self.allowed_token_ids
             or self.bad_words
         )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the request needs its logits processed before the draw (penalties, min_p, biases, bans).
+
+        As of the last :meth:`validate` (construction, and ``generate`` checks every request again).
+        """
+        return self._processes
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
