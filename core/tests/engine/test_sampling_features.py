@@ -163,9 +163,9 @@ def test_bad_words_are_never_completed(llama_model, cpu_runtime):
         for i, t in enumerate(free.token_ids)
         if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
     )
-    banned = llm.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=[word])
-    )[0].outputs[0]
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=[word]))[
+        0
+    ].outputs[0]
     ids = tokenizer.encode(word, add_special_tokens=False)
     assert all(banned.token_ids[i : i + len(ids)] != ids for i in range(len(banned.token_ids)))
     assert banned.token_ids[:at] == free.token_ids[:at] and banned.token_ids[at] != free.token_ids[at]

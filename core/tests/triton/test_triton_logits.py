@@ -51,6 +51,12 @@ def test_min_p_bans_exactly_below_the_ratio():
     probs = torch.tensor([[0.5, 0.2, 0.14, 0.1, 0.06]])
     logits = probs.log().to(DEVICE)
     zeros = torch.zeros(1, 5, device=DEVICE)
-    args = (logits, zeros, zeros.int(), zeros.bool(), *(torch.tensor([v], device=DEVICE) for v in (1.0, 0.0, 0.0, 1.0, 0.3)))
+    args = (
+        logits,
+        zeros,
+        zeros.int(),
+        zeros.bool(),
+        *(torch.tensor([v], device=DEVICE) for v in (1.0, 0.0, 0.0, 1.0, 0.3)),
+    )
     got = KERNELS.process_logits(*args).cpu()
     assert torch.equal(got[0].isinf(), torch.tensor([False, False, True, True, True]))

@@ -179,7 +179,7 @@ def _process(logits, bias, output_counts, prompt_mask, repetition_penalty, frequ
     scores = x / torch.where(use_min_p, temperature, 1.0).to(compute)[:, None]
     probs = torch.softmax(scores, dim=-1)
     below = probs < min_p.to(compute)[:, None] * probs.amax(dim=-1, keepdim=True)
-    return x.masked_fill(below & use_min_p[:, None], float("-inf"))
+    return x.masked_fill(below & use_min_p[:, None], float("-inf")).contiguous()
 
 
 def _check_processed(op: Op, fn: Callable[..., Any], args: tuple[Any, ...], dtype: torch.dtype) -> str | None:

@@ -63,7 +63,8 @@ def process_logits(
     # min_p: p_i < min_p * p_max is exp((x_i - x_max) / T) < min_p, no softmax needed
     use = (temperature > 0) & (min_p > 0)
     ratio = ((x - x.amax(dim=-1, keepdim=True)) / torch.where(use, temperature, 1.0)[:, None]).exp_()
-    return x.masked_fill_((ratio < min_p[:, None]) & use[:, None], float("-inf"))
+    # contiguous: torch keeps a strided input's layout through the element-wise ops (a no-op otherwise)
+    return x.masked_fill_((ratio < min_p[:, None]) & use[:, None], float("-inf")).contiguous()
 
 
 @provider("top_logprobs", name="cpu_top_logprobs", priority=10)
