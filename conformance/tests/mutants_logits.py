@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from certify_helpers import Mutant, MutantGroup
 
-SOURCE = '''
+SOURCE = """
 import torch
 
 from vllm_port import DeviceInfo, PlatformDescription, ProbeResult, hookimpl
@@ -88,7 +88,7 @@ BUGS = {
 @hookimpl
 def vllm_port_providers():
     return [_mutant(op, name, bug) for name, (op, bug) in BUGS.items()]
-'''
+"""
 
 
 def _refused(name: str, op: str, bug: str, case: str, *says: str, dtype: str = "float32") -> Mutant:

@@ -14,7 +14,6 @@ triton = pytest.importorskip("triton")
 
 from vllm_port.errors import OpInputError  # noqa: E402
 from vllm_port.kernels.triton.logits import LogitsKernels  # noqa: E402
-from vllm_port.kernels.triton_target import INTERPRETER  # noqa: E402
 from vllm_port.ops import process_logits, top_logprobs  # noqa: E402
 from vllm_port.ops.checks import validation  # noqa: E402
 from vllm_port_cuda.triton_targets import CUDA  # noqa: E402
