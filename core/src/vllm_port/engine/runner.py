@@ -19,6 +19,14 @@ It owns the model, the bound kernels (``runtime.bind``), the paged KV cache and 
 5. reading the sampled ids, with a flag per row saying its logits are finite (computed on the
    device, read in the same transfer): the step's only host synchronisation.
 
+vLLM's sampling features cost a step nothing unless one of its requests asks for them: the bound
+``process_logits`` runs before ``sample`` (penalties, ``min_p``, biases and bans, its dense
+``[rows, vocab]`` inputs built for that step) only when ``batch.processing`` has a row, and
+``top_logprobs`` (of the raw logits) only for the rows in ``batch.logprobs`` and the prompt
+positions in ``batch.prompt_logprobs``; their answers come back in a second transfer that only such
+steps make (a :class:`~.scheduler.StepResult`). A step with prompt logprobs is never replayed from
+a captured graph (it needs more rows' logits than one per sequence).
+
 No answer from non-finite values, and no id outside the vocabulary: a row whose logits hold NaN or
 Inf, or whose sampled id is not in ``[0, vocab_size)``, gets a :class:`~.scheduler.TokenError`
 in its token's place (the scheduler finishes that request with ``"error"``; the other rows go on).
@@ -246,7 +254,8 @@ class ModelRunner:
         """Run one step; return the token sampled for each of ``batch.sample_rows``, in order.
 
         A row whose logits are not finite, or whose sampled id is outside the vocabulary, gets a
-        :class:`TokenError` saying why instead of a token.
+        :class:`TokenError` saying why instead of a token. When the batch asks for logprobs (of the
+        drawn tokens or of prompt tokens) the list is a :class:`StepResult` carrying them.
         """
         self._migrate(batch)
         if not batch.query_lens:
@@ -263,7 +272,7 @@ class ModelRunner:
             else:
                 logits = self.step(ids, positions, self.kv_caches, meta, rows)
             if not batch.sample_rows:
-                return self._with_prompt_logprobs(batch, [], prompt_rows, prompt_logits) if prompt_rows else []
+                return [] if prompt_rows is None else self._with_prompt_logprobs(batch, [], prompt_rows, prompt_logits)
             # a flag per row, on the device: NaN and Inf make the row's float32 sum non-finite (so would
             # finite logits past 1e34, which _non_finite_row tells apart); one read of the logits
             if any(batch.temperatures) or batch.processing:
@@ -310,7 +319,7 @@ class ModelRunner:
         allowed_rows, allowed, biased, banned, seen, generated = [], [], [], [], [], []
         for row, p in batch.processing.items():
             for values, value in zip(
-                per_row, (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p), strict=False
+                per_row, (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p), strict=True
             ):
                 values[row] = value
             if p.allowed_token_ids is not None:
@@ -386,7 +395,7 @@ class ModelRunner:
         wanted = [batch.prompt_logprobs[seq][0] for seq, *_ in where]
         values, indices = self.ops.top_logprobs(raw, torch.tensor(ids).to(raw.device), max(wanted))
         for (seq, index, _), found in zip(
-            where, _top_logprobs(values.tolist(), indices.tolist(), ids, wanted), strict=False
+            where, _top_logprobs(values.tolist(), indices.tolist(), ids, wanted), strict=True
         ):
             out.prompt_logprobs.setdefault(seq, []).append((index, found))
         return out

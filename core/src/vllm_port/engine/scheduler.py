@@ -30,6 +30,14 @@ Stopping is decided in one place, :meth:`Scheduler.update`, as each sampled toke
 stop token, then the request's length (``max_tokens``, ``max_model_len``), then a stop string in its
 text. The text is not the scheduler's to read: the request carries a :class:`~.request.StopMatcher`
 (the engine's detokenizer), fed every output token, that answers whether a stop string has appeared.
+Before ``min_tokens`` output tokens only ``max_model_len`` ends a request (the stop tokens are banned
+from the draw meanwhile: :class:`RowProcessing`).
+
+The step batch carries what the sampler needs beyond temperature, top-k and top-p only for the
+requests that ask for it: each such row's :class:`RowProcessing` (penalties, ``min_p``, biases, the
+tokens banned this step by ``min_tokens`` and ``bad_words``), the rows that want logprobs, and the
+prompt tokens whose logprobs a step's positions predict. A request with ``prompt_logprobs`` takes
+nothing from the prefix cache (its cached positions would have no logits): it recomputes its prompt.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def check_process_logits(
                 f"{list(logits.shape)} (one entry per sequence and token)"
             )
     for arg, t in zip(
-        _ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=False
+        _ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=True
     ):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (rows,):
             raise OpInputError(f"{op}: {arg} must be a float32 tensor of shape [{rows}] (one value per sequence)")
@@ -99,7 +99,7 @@ def check_process_logits(
         ("output_counts", output_counts),
         ("prompt_mask", prompt_mask),
         *tuple(
-            zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=False)
+            zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=True)
         ),
     ):
         if t.device != logits.device:
