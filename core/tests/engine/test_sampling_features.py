@@ -243,3 +243,31 @@ def test_two_ranks_process_and_score_what_one_does(llama_model, cpu_runtime):
     for g, w in zip(got, want, strict=True):
         assert [sorted(e) for e in g.outputs[0].logprobs] == [sorted(e) for e in w.outputs[0].logprobs]
         assert g.prompt_logprobs[1:] and len(g.prompt_logprobs) == len(w.prompt_logprobs)
+
+
+def test_logprobs_survive_preemption_by_recompute(llama_model, cpu_runtime, alone):
+    batch, _, want = alone
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    roomy = make_llm(llama_model, cpu_runtime).generate(batch, params)
+    # 16 blocks of 4 tokens: the five requests need up to 14 blocks each at the end (test_llm's preemption)
+    tight = make_llm(llama_model, cpu_runtime, block_size=4, kv_cache_memory=16 * 4096, max_model_len=64)
+    outputs = tight.generate(batch, params)
+    assert token_ids(outputs) == want and sum(o.num_preemptions for o in outputs) > 0
+    for got, ref in zip(outputs, roomy, strict=True):
+        assert len(got.outputs[0].logprobs) == len(got.outputs[0].token_ids)  # one per token, none repeated
+        assert got.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-3)
+        assert [e and sorted(e) for e in got.prompt_logprobs] == [e and sorted(e) for e in ref.prompt_logprobs]
+    assert_pool_empty(tight)
+
+
+def test_stop_strings_wait_for_min_tokens(llama_model, cpu_runtime):
+    prompt = prompts([6], seed=12)[0]
+    llm = make_llm(llama_model, cpu_runtime)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = free.text[:1]  # the first character the model writes
+    early = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop))[0]
+    assert early.outputs[0].finish_reason == "stop" and len(early.outputs[0].token_ids) < 4
+    held = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop, min_tokens=4)
+    out = llm.generate([prompt], held)[0].outputs[0]
+    assert len(out.token_ids) >= 4 and out.token_ids == free.token_ids[: len(out.token_ids)]
+    assert out.text.startswith(stop)  # the stop string before min_tokens stays in the text
