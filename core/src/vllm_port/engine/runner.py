@@ -309,46 +309,45 @@ class ModelRunner:
     # --- logits processors and logprobs (only for steps whose requests ask for them) ---------------
 
     def _processed(self, batch: StepBatch, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-        """The bound ``process_logits`` over every sampling row; rows without processors get its identity."""
+        """The bound ``process_logits`` over every sampling row; rows without processors get its identity.
+
+        Its dense inputs are built on the device from one int64 and one float32 upload (as the step's
+        metadata: pinned staging, no wait): per row the four parameters, and ``(row, token)`` pairs of
+        the allowed, biased, banned, prompt and generated tokens.
+        """
         rows, vocab = logits.shape
+        per_row = [[1.0] * rows, [0.0] * rows, [0.0] * rows, [0.0] * rows]
+        limited: list[int] = []  # rows with allowed_token_ids
+        pairs: dict[str, list[int]] = {kind: [] for kind in ("allowed", "biased", "banned", "seen", "generated")}
+        bias_values: list[float] = []
+        for row, p in batch.processing.items():
+            values = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p)
+            for column, value in zip(per_row, values, strict=True):
+                column[row] = value
+            if p.allowed_token_ids is not None:
+                limited.append(row)
+                pairs["allowed"] += [x for t in p.allowed_token_ids for x in (row, t)]
+            pairs["biased"] += [x for t in p.logit_bias for x in (row, t)]
+            bias_values += p.logit_bias.values()
+            pairs["banned"] += [x for t in p.banned_token_ids if t < vocab for x in (row, t)]
+            pairs["seen"] += [x for t in p.prompt_token_ids for x in (row, t)]
+            pairs["generated"] += [x for t in p.output_token_ids if 0 <= t < vocab for x in (row, t)]
+        ints = self._upload([*limited, *(x for kind in pairs.values() for x in kind)], torch.int64)
+        limited_rows, *flat = ints.split([len(limited), *(len(kind) for kind in pairs.values())])
+        at = {kind: tuple(t.view(-1, 2).t()) for kind, t in zip(pairs, flat, strict=True)}
+        floats = self._upload([*(x for column in per_row for x in column), *bias_values], torch.float32)
+        repetition, frequency, presence, min_p, biases = floats.split([rows] * 4 + [len(bias_values)])
         device = logits.device
         bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
-        counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        bias[limited_rows] = float("-inf")  # everything but the allowed tokens banned in those rows
+        bias[at["allowed"]] = 0.0
+        bias.index_put_(at["biased"], biases, accumulate=True)
+        bias[at["banned"]] = float("-inf")
         prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
-        per_row = [[1.0] * rows, [0.0] * rows, [0.0] * rows, [0.0] * rows]
-        allowed_rows, allowed, biased, banned, seen, generated = [], [], [], [], [], []
-        for row, p in batch.processing.items():
-            for values, value in zip(
-                per_row, (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p), strict=True
-            ):
-                values[row] = value
-            if p.allowed_token_ids is not None:
-                allowed_rows.append(row)
-                allowed += [(row, t) for t in p.allowed_token_ids]
-            biased += [(row, t, v) for t, v in p.logit_bias.items()]
-            banned += [(row, t) for t in p.banned_token_ids if t < vocab]
-            seen += [(row, t) for t in p.prompt_token_ids]
-            generated += [(row, t) for t in p.output_token_ids if 0 <= t < vocab]
-
-        def at(pairs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-            index = torch.tensor([pair[:2] for pair in pairs], dtype=torch.int64).to(device).t()
-            return index[0], index[1]
-
-        if allowed_rows:  # everything else banned in those rows
-            bias[torch.tensor(allowed_rows, device=device)] = float("-inf")
-            bias[at(allowed)] = 0.0
-        if biased:
-            values = torch.tensor([v for *_, v in biased], dtype=torch.float32).to(device)
-            bias.index_put_(at(biased), values, accumulate=True)
-        if banned:
-            bias[at(banned)] = float("-inf")
-        if seen:
-            prompt[at(seen)] = True
-        if generated:
-            counts.index_put_(at(generated), torch.ones(len(generated), dtype=torch.int32, device=device), True)
-        repetition, frequency, presence, min_p = self._upload([x for v in per_row for x in v], torch.float32).split(
-            rows
-        )
+        prompt[at["seen"]] = True
+        counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        generated = at["generated"]
+        counts.index_put_(generated, torch.ones_like(generated[0], dtype=torch.int32), accumulate=True)
         return self.ops.process_logits(
             logits, bias, counts, prompt, repetition, frequency, presence, temperature, min_p
         )
@@ -358,7 +357,7 @@ class ModelRunner:
     ) -> StepResult:
         """``result`` with the drawn tokens' logprobs (of the raw logits) for the rows that ask for them."""
         asking = sorted(batch.logprobs)
-        at = torch.tensor(asking, dtype=torch.int64).to(logits.device)
+        at = self._upload(asking, torch.int64)
         vocab = logits.shape[-1]
         raw = logits.index_select(0, at)
         raw = raw.masked_fill(~raw.isfinite().all(dim=-1, keepdim=True), 0.0)  # such a row is an error anyway
@@ -380,7 +379,7 @@ class ModelRunner:
             for offset, token in enumerate(targets):
                 rows.append(starts[seq] + offset)
                 where.append((seq, first + offset + 1, token))
-        return torch.tensor(rows, dtype=torch.int64).to(self.device), where
+        return self._upload(rows, torch.int64), where
 
     def _with_prompt_logprobs(
         self, batch: StepBatch, result: list[Any], prompt_rows: Any, logits: torch.Tensor
@@ -393,7 +392,7 @@ class ModelRunner:
         raw = logits.masked_fill(~logits.isfinite().all(dim=-1, keepdim=True), 0.0)
         ids = [token for *_, token in where]
         wanted = [batch.prompt_logprobs[seq][0] for seq, *_ in where]
-        values, indices = self.ops.top_logprobs(raw, torch.tensor(ids).to(raw.device), max(wanted))
+        values, indices = self.ops.top_logprobs(raw, self._upload(ids, torch.int64), max(wanted))
         for (seq, index, _), found in zip(
             where, _top_logprobs(values.tolist(), indices.tolist(), ids, wanted), strict=True
         ):
