@@ -1,8 +1,8 @@
 """The Triton ``process_logits`` and ``top_logprobs`` kernels against their ops' contracts.
 
 Without a GPU they run in Triton's CPU interpreter (the root conftest.py sets TRITON_INTERPRET=1):
-every small sample of each op, every error input, and the value errors under validation. The real
-vocabularies (``large`` samples) run on GPUs, where conformance certifies the plugins' providers.
+every small sample of each op, every error input, and the value errors under validation; the real
+vocabularies and row counts past 128 (``large`` samples) too, in bfloat16 (under 2 s each).
 """
 
 from __future__ import annotations
@@ -31,6 +31,16 @@ def test_kernel_honours_the_contract_on_every_small_sample(op, dtype):
     samples = [s for s in op.samples(dtype, DEVICE, torch.Generator().manual_seed(0)) if not (INTERPRETED and s.large)]
     with validation():
         problems = [f"{s.label}: {p}" for s in samples if (p := op.check(fn, s.args, dtype))]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("op", [process_logits, top_logprobs], ids=lambda op: op.name)
+def test_kernel_honours_the_contract_at_real_vocabularies(op):
+    fn = getattr(KERNELS, op.name)
+    samples = [s for s in op.samples(torch.bfloat16, DEVICE, torch.Generator().manual_seed(0)) if s.large]
+    assert any(s.args[0].shape[1] == 151936 for s in samples)
+    with validation():
+        problems = [f"{s.label}: {p}" for s in samples if (p := op.check(fn, s.args, torch.bfloat16))]
     assert not problems, problems
 
 
