@@ -79,29 +79,21 @@ def check_process_logits(
     if logits.dim() != 2 or logits.shape[1] < 1:
         raise OpInputError(f"{op}: logits has shape {tuple(logits.shape)}; it must be [num_seqs, vocab_size >= 1]")
     rows = logits.shape[0]
-    for arg, t, kinds in (
-        ("bias", bias, (torch.float32,)),
-        ("output_counts", output_counts, (torch.int32,)),
-        ("prompt_mask", prompt_mask, (torch.bool,)),
-    ):
-        if not isinstance(t, torch.Tensor) or t.dtype not in kinds or t.shape != logits.shape:
+    dense = {"bias": (bias, torch.float32), "output_counts": (output_counts, torch.int32),
+             "prompt_mask": (prompt_mask, torch.bool)}  # fmt: skip
+    for arg, (t, dtype) in dense.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != logits.shape:
             raise OpInputError(
-                f"{op}: {arg} must be a {str(kinds[0]).removeprefix('torch.')} tensor of logits' shape "
+                f"{op}: {arg} must be a tensor of dtype {str(dtype).removeprefix('torch.')} and logits' shape "
                 f"{list(logits.shape)} (one entry per sequence and token)"
             )
-    for arg, t in zip(
-        _ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=True
-    ):
+    per_row = dict(
+        zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=True)
+    )
+    for arg, t in per_row.items():
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (rows,):
             raise OpInputError(f"{op}: {arg} must be a float32 tensor of shape [{rows}] (one value per sequence)")
-    for arg, t in (
-        ("bias", bias),
-        ("output_counts", output_counts),
-        ("prompt_mask", prompt_mask),
-        *tuple(
-            zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=True)
-        ),
-    ):
+    for arg, t in [*((name, t) for name, (t, _) in dense.items()), *per_row.items()]:
         if t.device != logits.device:
             raise OpInputError(
                 f"{op}: {arg} is on {t.device} but logits is on {logits.device}; move them to one device"
@@ -333,9 +325,9 @@ def _process_errors(device: torch.device) -> list[ErrorInput]:
 
     return [
         ErrorInput("1-D logits", but(0, logits[0]), "[num_seqs, vocab_size"),
-        ErrorInput("bias of one row", but(1, bias[:1]), "bias must be a float32 tensor"),
-        ErrorInput("int64 counts", but(2, counts.long()), "output_counts must be a int32 tensor"),
-        ErrorInput("float prompt mask", but(3, bias), "prompt_mask must be a bool tensor"),
+        ErrorInput("bias of one row", but(1, bias[:1]), "bias must be a tensor of dtype float32"),
+        ErrorInput("int64 counts", but(2, counts.long()), "output_counts must be a tensor of dtype int32"),
+        ErrorInput("float prompt mask", but(3, bias), "prompt_mask must be a tensor of dtype bool"),
         ErrorInput("repetition per batch", but(4, one[:1]), "repetition_penalty must be a float32 tensor"),
         ErrorInput("float64 min_p", but(8, zero.double()), "min_p must be a float32 tensor"),
     ]
