@@ -31,7 +31,7 @@ def __getattr__(name: str) -> object:
         from . import runtime
 
         return getattr(runtime, name)
-    if name in ("LLM", "EngineConfig", "SamplingParams", "TextPrompt", "TokensPrompt"):
+    if name in ("LLM", "EngineConfig", "SamplingParams", "Logprob", "TextPrompt", "TokensPrompt"):
         from . import engine
 
         return getattr(engine, name)
@@ -54,6 +54,7 @@ __all__ = [
     "ApiVersionError",
     "DeviceInfo",
     "EngineConfig",
+    "Logprob",
     "OpInputError",
     "PlatformDescription",
     "Platforms",

@@ -346,6 +346,54 @@ def sample_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
     return Case("sample", dtype, args)
 
 
+@st.composite
+def process_logits_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
+    g, dtype = generator(draw), dtype or draw(float_dtypes)
+    rows, vocab = draw(st.integers(0, 8)), draw(st.integers(1, 300))
+    logits = torch.randn(rows, vocab, generator=g) * draw(st.sampled_from([0.3, 1.0, 5.0]))
+    bias = torch.randn(rows, vocab, generator=g) * draw(st.sampled_from([0.0, 1.0, 50.0]))
+    if draw(st.booleans()):  # bans
+        bias = bias.masked_fill(torch.rand(rows, vocab, generator=g) < 0.3, float("-inf"))
+    counts = torch.randint(0, 4, (rows, vocab), generator=g, dtype=torch.int32) * (
+        torch.rand(rows, vocab, generator=g) < 0.2
+    )
+    prompt = torch.rand(rows, vocab, generator=g) < 0.2
+
+    def per_row(values: list[float]) -> torch.Tensor:
+        return torch.tensor(draw(st.lists(st.sampled_from(values), min_size=rows, max_size=rows)), dtype=torch.float32)
+
+    params = (
+        per_row([1.0, 0.5, 1.2, 2.0]),
+        per_row([0.0, -2.0, 0.5, 2.0]),
+        per_row([0.0, -1.0, 0.3, 2.0]),
+        per_row([0.0, 0.3, 1.0, 1.5]),
+        per_row([0.0, 0.05, 0.5, 1.0]),
+    )
+    kinds = ("plain", "offset", "step")
+    args = (
+        layout(draw, logits.to(dtype)),
+        layout(draw, bias),
+        layout(draw, counts.to(torch.int32)),
+        layout(draw, prompt),
+        *(layout(draw, t, kinds) for t in params),
+    )
+    return Case("process_logits", dtype, args)
+
+
+@st.composite
+def top_logprobs_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
+    g, dtype = generator(draw), dtype or draw(float_dtypes)
+    rows, vocab = draw(st.integers(0, 8)), draw(st.integers(1, 300))
+    logits = torch.randn(rows, vocab, generator=g) * draw(st.sampled_from([0.3, 1.0, 5.0]))
+    if draw(st.booleans()):
+        logits = logits.round()
+    ids = torch.randint(0, vocab, (rows,), generator=g).to(draw(int_dtypes))
+    num_top = draw(st.integers(0, min(vocab, 20)))
+    return Case(
+        "top_logprobs", dtype, (layout(draw, logits.to(dtype)), layout(draw, ids, ("plain", "offset", "step")), num_top)
+    )
+
+
 #: op name -> strategy of valid cases, for any dtype (or the one given)
 VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "embedding": embedding_case,
@@ -359,6 +407,8 @@ VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "silu_and_mul": lambda dtype=None: gated_case("silu_and_mul", dtype),
     "gelu_and_mul": lambda dtype=None: gated_case("gelu_and_mul", dtype),
     "sample": sample_case,
+    "process_logits": process_logits_case,
+    "top_logprobs": top_logprobs_case,
 }
 
 
@@ -750,6 +800,57 @@ def _sample_violations() -> list[Violation]:
     ]
 
 
+def _process_logits_violations() -> list[Violation]:
+    def rows(a: Args) -> bool:
+        return a[0].shape[0] > 0
+
+    def bad(i: int, values: list[Any]) -> Callable[[st.DrawFn, Args], None]:
+        def apply(draw: st.DrawFn, a: Args) -> None:
+            t = a[i].clone()
+            t[_any_index(draw, t)] = draw(st.sampled_from(values))
+            a[i] = t
+
+        return apply
+
+    return [
+        _to_dtype(0, torch.int64, "integer logits"),
+        _rank(0, "3-D logits"),
+        _to_dtype(1, torch.bfloat16, "bfloat16 bias"),
+        _to_dtype(2, torch.int64, "int64 counts"),
+        _to_dtype(3, torch.float32, "float prompt mask"),
+        _to_dtype(4, torch.float64, "float64 repetition"),
+        _resize(8, 0, 1, "one min_p too many"),
+        _resize(1, 1, 1, "a bias column too many"),
+        _on_meta(2),
+        _not_tensor(6),
+        _value("repetition 0 or not finite", rows, bad(4, [0.0, -1.0, NAN, float("inf")])),
+        _value("min_p outside [0, 1]", rows, bad(8, [-0.1, 1.5, NAN])),
+        _value("bias NaN or +inf", rows, bad(1, [NAN, float("inf")])),
+        _value("a negative count", rows, bad(2, [-1, -7])),
+        _value("a NaN logit", rows, bad(0, [NAN])),
+    ]
+
+
+def _top_logprobs_violations() -> list[Violation]:
+    def rows(a: Args) -> bool:
+        return a[0].shape[0] > 0
+
+    def outside(draw: st.DrawFn, a: Args) -> None:
+        t = a[1].clone()
+        t[_any_index(draw, t)] = draw(st.sampled_from([-1, -100, a[0].shape[1], a[0].shape[1] + 7]))
+        a[1] = t
+
+    return [
+        _to_dtype(0, torch.int64, "integer logits"),
+        _rank(0, "3-D logits"),
+        _to_dtype(1, torch.float32, "float token ids"),
+        _resize(1, 0, 1, "one token id too many"),
+        _on_meta(1),
+        _scalar(2, [-1, -5, 10_000, 1.5, None], "num_top negative, past the vocabulary or not an int"),
+        _value("a token id outside the vocabulary", rows, outside),
+    ]
+
+
 #: op name -> every way its contract can be broken
 VIOLATIONS: dict[str, list[Violation]] = {
     "embedding": _embedding_violations(),
@@ -763,6 +864,8 @@ VIOLATIONS: dict[str, list[Violation]] = {
     "silu_and_mul": _gated_violations(gelu=False),
     "gelu_and_mul": _gated_violations(gelu=True),
     "sample": _sample_violations(),
+    "process_logits": _process_logits_violations(),
+    "top_logprobs": _top_logprobs_violations(),
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .inputs import TextPrompt, TokensPrompt
+from .logprobs import Logprob
 from .sampling_params import SamplingParams
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineError",
+    "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

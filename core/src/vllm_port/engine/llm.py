@@ -50,10 +50,11 @@ from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
 from .config import EngineConfig
 from .inputs import Prompt, unpack_prompt
+from .logprobs import Logprob
 from .request import Request, sample_seed
 from .runner import ModelRunner, StepFunction
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepBatch, TopLogprobs
 from .sizing import activation_peak_bytes, memory_utilization_budget
 from .tokenizer import IncrementalDetokenizer, Tokenizer, open_tokenizer
 
@@ -86,6 +87,9 @@ class CompletionOutput:
         error: what was wrong with the request, when ``finish_reason == "error"``.
         stop_reason: what stopped it: the stop token id (of ``stop_token_ids``) or the stop string;
             ``None`` for the model's end-of-sequence token, a length, an error or an abort (as vLLM).
+        logprobs: with ``SamplingParams.logprobs``: per generated token, token id -> :class:`Logprob`
+            (the top ones and the drawn token's, so ``logprobs`` or ``logprobs + 1`` entries).
+        cumulative_logprob: with ``SamplingParams.logprobs``: the sum of the drawn tokens' logprobs.
     """
 
     index: int
@@ -94,6 +98,8 @@ class CompletionOutput:
     finish_reason: str | None
     error: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -127,6 +133,8 @@ class RequestOutput:
     Attributes:
         metrics: when it arrived, was scheduled, sampled its first and last tokens, and finished.
         num_cached_tokens: prompt tokens found in the prefix cache (not computed) when it was first scheduled.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token, token id ->
+            :class:`Logprob` (the top ones and the prompt's own), ``None`` for the first token.
     """
 
     request_id: str
@@ -137,6 +145,7 @@ class RequestOutput:
     num_preemptions: int = 0
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -147,6 +156,8 @@ class StreamOutput:
     Attributes:
         index: the request's position in the ``stream`` call.
         sample_index: which of the request's ``SamplingParams.n`` samples these tokens belong to.
+        logprobs: with ``SamplingParams.logprobs``: one dict per token of ``token_ids``, as in
+            :attr:`CompletionOutput.logprobs`.
     """
 
     index: int
@@ -156,6 +167,7 @@ class StreamOutput:
     finish_reason: str | None = None
     error: str | None = None
     sample_index: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -182,11 +194,13 @@ class _Submission:
     metrics: RequestMetrics  # shared by the request's samples
     text: list[str] = field(default_factory=list)
     call: _Call | None = None  # the call that yields this request's deltas, once it runs
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token, when asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per prompt token, when asked
 
-    def delta(self, token_ids: list[int], text: str) -> StreamOutput:
+    def delta(self, token_ids: list[int], text: str, logprobs: list[dict[int, Logprob]] | None = None) -> StreamOutput:
         seq = self.seq
         return StreamOutput(
-            self.index, self.request_id, token_ids, text, seq.finish_reason, seq.error, seq.sample_index
+            self.index, self.request_id, token_ids, text, seq.finish_reason, seq.error, seq.sample_index, logprobs
         )
 
 
@@ -394,6 +408,11 @@ class LLM:
                     f"SamplingParams.stop {list(p.stop_strings)}: stop strings need the model's tokenizer, and "
                     f"{self.model_dir} has no tokenizer.json; use stop_token_ids"
                 )
+            if p.bad_words and self.tokenizer is None:
+                raise ValueError(
+                    f"SamplingParams.bad_words {p.bad_words!r:.100}: bad words need the model's tokenizer, and "
+                    f"{self.model_dir} has no tokenizer.json; ban token ids with logit_bias (-100) instead"
+                )
         requests = []
         for index, (prompt, p) in enumerate(zip(listed, per_prompt, strict=True)):
             requests += self._samples(index, str(next(self._ids)), prompt, p)
@@ -407,6 +426,7 @@ class LLM:
         ids: list[int] = []
         if problem is None:
             ids, problem = self._prompt_ids(prompt)
+        problem = problem or _token_ids_problem(p, self.config.vocab_size)
         samples = []
         if problem is not None:
             metrics.finished_time = metrics.arrival_time
@@ -417,17 +437,27 @@ class LLM:
             return samples
         stop_ids = [*(p.stop_token_ids or []), *([] if p.ignore_eos else self.config.eos_token_ids)]
         seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+        bad_words = _bad_words_token_ids(self.tokenizer, p.bad_words) if p.bad_words else []
         for i in range(p.n):
             # the scheduler feeds the detokenizer each token, and stops the sample on a stop string it finds
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, ids, p.stop_strings, p.include_stop_str_in_output, p.skip_special_tokens
+                    self.tokenizer,
+                    ids,
+                    p.stop_strings,
+                    p.include_stop_str_in_output,
+                    p.skip_special_tokens,
+                    p.min_tokens,
                 )
             seq = Request(_sample_id(request_id, i), int(request_id), ids, p, stop_ids, sample_seed(seed, i), detok)
             seq.sample_index = i
+            if p.bad_words:
+                seq.bad_words_token_ids = bad_words
             samples.append(_Submission(index, text, seq, detok, request_id, metrics))
         samples[0].seq.forks = [r.seq for r in samples[1:]]
+        if p.prompt_logprobs is not None:  # the prompt is computed once, by the first sample
+            samples[0].prompt_logprobs = [None] * len(ids)
         return samples
 
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
@@ -534,8 +564,10 @@ class LLM:
             metrics = self._live[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        sampled = self.runner.execute(out.batch(self.runner.block_size))
+        batch = out.batch(self.runner.block_size)
+        sampled = self.runner.execute(batch)
         now = time.time()
+        self._record_logprobs(out, batch, sampled)
         for seq in self.scheduler.update(out, sampled):
             r = self._live[seq.request_id]
             r.call.outputs.append(self._advance(r))
@@ -546,6 +578,32 @@ class LLM:
             if seq.is_finished:
                 r.call.unfinished -= 1
                 metrics.finished_time = now
+
+    def _record_logprobs(self, out: SchedulerOutput, batch: StepBatch, sampled: Any) -> None:
+        """Keep the logprobs the step computed (``StepResult``) on the requests that asked for them."""
+        rows = getattr(sampled, "logprobs", None)
+        prompts = getattr(sampled, "prompt_logprobs", None)
+        if not rows and not prompts:
+            return
+        drawing = _row_samples(out, batch)
+        for row, found in (rows or {}).items():
+            r = self._live.get(drawing[row].request_id)
+            if r is not None and not r.seq.is_finished and isinstance(sampled[row], int):  # not a TokenError
+                r.logprobs.append(self._as_logprobs(found))
+        for index, positions in (prompts or {}).items():
+            r = self._live.get(out.seqs[index].request_id)
+            if r is not None:
+                for position, found in positions:  # a recomputed prompt (after a preemption) rewrites the same values
+                    r.prompt_logprobs[position] = self._as_logprobs(found)
+
+    def _as_logprobs(self, found: TopLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs as vLLM gives them: the chosen token's first, then the top ones (ranks 1, 2...)."""
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else None
+        entries = {found.token_id: Logprob(found.logprob, found.rank, decode(found.token_id) if decode else None)}
+        for rank, (token, logprob) in enumerate(found.top, start=1):
+            if token not in entries:
+                entries[token] = Logprob(logprob, rank, decode(token) if decode else None)
+        return entries
 
     def _advance(self, r: _Submission) -> StreamOutput:
         seq = r.seq
@@ -561,7 +619,7 @@ class LLM:
             if seq.is_finished:
                 text += r.detokenizer.flush()
         r.text.append(text)
-        return r.delta([token], text)
+        return r.delta([token], text, r.logprobs[-1:] if seq.params.logprobs is not None else None)
 
     def _output(self, samples: list[_Submission]) -> RequestOutput:
         """One request's output from its samples (in sample order)."""
@@ -574,6 +632,7 @@ class LLM:
                 r.seq.finish_reason,
                 r.seq.error,
                 self._stop_reason(r),
+                *_sample_logprobs(r),
             )
             for r in samples
         ]
@@ -588,6 +647,7 @@ class LLM:
             preemptions,
             first.metrics,
             seq.num_cached_tokens,
+            first.prompt_logprobs or None if seq.params.prompt_logprobs is not None else None,
         )
 
     def _stop_reason(self, r: _Submission) -> int | str | None:
@@ -610,6 +670,27 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _row_samples(out: SchedulerOutput, batch: StepBatch) -> list[Request]:
+    """The sample each sampling row of ``batch`` draws for: a sequence's own row, then one row per sample
+    waiting to fork from it (``SchedulerOutput.batch`` lays them out so)."""
+    drawing: list[Request] = []
+    previous, k = -1, 0
+    for i in batch.sample_rows:
+        k = k + 1 if i == previous else 0
+        previous = i
+        seq = out.seqs[i]
+        drawing.append((seq, *seq.forks)[k])
+    return drawing
+
+
+def _sample_logprobs(r: _Submission) -> tuple[list[dict[int, Logprob]] | None, float | None]:
+    """A sample's ``CompletionOutput.logprobs`` and ``cumulative_logprob`` (``None`` unless its request asked)."""
+    if r.seq.params.logprobs is None:
+        return None, None
+    drawn = zip(r.logprobs, r.seq.output_token_ids, strict=False)
+    return r.logprobs, sum(entries[token].logprob for entries, token in drawn)
 
 
 @contextmanager
@@ -641,6 +722,26 @@ def _interrupt_after_step() -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if held:
         raise KeyboardInterrupt
+
+
+def _token_ids_problem(params: SamplingParams, vocab: int) -> str | None:
+    """What is wrong with the token ids a request's ``logit_bias`` and ``allowed_token_ids`` name (``None``: nothing)."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        outside = sorted({t for t in ids if t >= vocab})
+        if outside:
+            return f"SamplingParams.{name} names token id(s) {outside[:5]} outside the model's vocabulary [0, {vocab})"
+    return None
+
+
+def _bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token ids, as written and after a space (mid-sentence), as vLLM bans them."""
+    found: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in found:
+                found.append(ids)
+    return found
 
 
 def _is_token_id(value: Any) -> bool:

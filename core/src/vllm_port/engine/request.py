@@ -104,6 +104,8 @@ class Request:
         self.forks: list[Request] = []
         #: prompt tokens found in the prefix cache when the request was first scheduled
         self.num_cached_tokens = 0
+        #: ``params.bad_words`` as token ids (the engine's tokenizer makes them; the scheduler bans them)
+        self.bad_words_token_ids: list[list[int]] = []
 
     def __repr__(self) -> str:
         return (

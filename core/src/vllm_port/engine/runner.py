@@ -19,6 +19,14 @@ It owns the model, the bound kernels (``runtime.bind``), the paged KV cache and 
 5. reading the sampled ids, with a flag per row saying its logits are finite (computed on the
    device, read in the same transfer): the step's only host synchronisation.
 
+vLLM's sampling features cost a step nothing unless one of its requests asks for them: the bound
+``process_logits`` runs before ``sample`` (penalties, ``min_p``, biases and bans, its dense
+``[rows, vocab]`` inputs built for that step) only when ``batch.processing`` has a row, and
+``top_logprobs`` (of the raw logits) only for the rows in ``batch.logprobs`` and the prompt
+positions in ``batch.prompt_logprobs``; their answers come back in a second transfer that only such
+steps make (a :class:`~.scheduler.StepResult`). A step with prompt logprobs is never replayed from
+a captured graph (it needs more rows' logits than one per sequence).
+
 No answer from non-finite values, and no id outside the vocabulary: a row whose logits hold NaN or
 Inf, or whose sampled id is not in ``[0, vocab_size)``, gets a :class:`~.scheduler.TokenError`
 in its token's place (the scheduler finishes that request with ``"error"``; the other rows go on).
@@ -41,7 +49,7 @@ from ..memory import KVLayout
 from ..models import AttentionMetadata, LlamaModel, load_model
 from ..ops import BoundOps
 from ..ops.debug import CheckedOp, blame, provider_fault, scrutinize
-from .scheduler import StepBatch, TokenError
+from .scheduler import StepBatch, StepResult, TokenError, TopLogprobs
 
 __all__ = ["ModelRunner", "StepFunction", "default_step", "eager_step", "flat_step"]
 
@@ -237,6 +245,7 @@ class ModelRunner:
             and batch.is_decode
             and len(batch.query_lens) <= graphs.batch_sizes[-1]
             and len(batch.sample_rows) == len(batch.query_lens)
+            and not batch.prompt_logprobs
         )
 
     # --- one step ----------------------------------------------------------------------------------
@@ -245,7 +254,8 @@ class ModelRunner:
         """Run one step; return the token sampled for each of ``batch.sample_rows``, in order.
 
         A row whose logits are not finite, or whose sampled id is outside the vocabulary, gets a
-        :class:`TokenError` saying why instead of a token.
+        :class:`TokenError` saying why instead of a token. When the batch asks for logprobs (of the
+        drawn tokens or of prompt tokens) the list is a :class:`StepResult` carrying them.
         """
         self._migrate(batch)
         if not batch.query_lens:
@@ -253,19 +263,29 @@ class ModelRunner:
         self.num_steps += 1
         with torch.inference_mode(), blame(self.ops):  # a provider that raises is named (no cost otherwise)
             ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
+            prompt_rows = self._prompt_rows(batch) if batch.prompt_logprobs else None
             if self._captured(batch):  # rows are every sequence, in order
                 logits = self.decode_graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            elif prompt_rows is not None:  # the prompt positions whose logprobs are asked for, after the sampling rows
+                both = self.step(ids, positions, self.kv_caches, meta, torch.cat((rows, prompt_rows[0])))
+                logits, prompt_logits = both[: len(rows)], both[len(rows) :]
             else:
                 logits = self.step(ids, positions, self.kv_caches, meta, rows)
             if not batch.sample_rows:
-                return []
+                return [] if prompt_rows is None else self._with_prompt_logprobs(batch, [], prompt_rows, prompt_logits)
             # a flag per row, on the device: NaN and Inf make the row's float32 sum non-finite (so would
             # finite logits past 1e34, which _non_finite_row tells apart); one read of the logits
-            if any(batch.temperatures):
+            if any(batch.temperatures) or batch.processing:
                 finite = logits.sum(dim=-1, dtype=torch.float32).isfinite()
                 # the sample op's contract refuses NaN logits: such rows draw from zeros (their id is dropped)
                 usable = logits.masked_fill(~finite[:, None], 0.0)
-                sampled = self._checked_ids(self.ops.sample(usable, temperature, top_k, top_p, seeds), len(rows))
+                # penalties, min_p, biases and bans: only in a step where some request has them
+                processed = self._processed(batch, usable, temperature) if batch.processing else usable
+                if any(batch.temperatures):
+                    sampled = self.ops.sample(processed, temperature, top_k, top_p, seeds)
+                else:  # every row greedy: the argmax of the processed logits (lowest id on ties)
+                    sampled = processed.argmax(dim=-1)
+                sampled = self._checked_ids(sampled, len(rows))
             else:  # every row greedy: the sample op's answer by contract, without its sort and noise
                 # widened first: exact, so the same ids and ties, and argmax over float32 is several
                 # times faster than over bfloat16/float16 on CPU (a few ms a step over 32000 columns)
@@ -275,10 +295,109 @@ class ModelRunner:
             tokens, flags = torch.stack((sampled, finite.to(sampled.dtype))).tolist()  # the step's one host sync
             vocab = logits.shape[-1]
             if all(flags) and min(tokens) >= 0 and max(tokens) < vocab:
-                return tokens
-            return self._row_errors(
-                batch, logits, tokens, flags, lambda: self.step(ids, positions, self.kv_caches, meta, rows)
-            )
+                result: list[int | TokenError] = tokens
+            else:
+                result = self._row_errors(
+                    batch, logits, tokens, flags, lambda: self.step(ids, positions, self.kv_caches, meta, rows)
+                )
+            if batch.logprobs:  # a second transfer, only when some request asks for logprobs
+                result = self._with_logprobs(batch, result, logits, sampled)
+            if prompt_rows is not None:
+                result = self._with_prompt_logprobs(batch, result, prompt_rows, prompt_logits)
+            return result
+
+    # --- logits processors and logprobs (only for steps whose requests ask for them) ---------------
+
+    def _processed(self, batch: StepBatch, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """The bound ``process_logits`` over every sampling row; rows without processors get its identity.
+
+        Its dense inputs are built on the device from one int64 and one float32 upload (as the step's
+        metadata: pinned staging, no wait): per row the four parameters, and ``(row, token)`` pairs of
+        the allowed, biased, banned, prompt and generated tokens.
+        """
+        rows, vocab = logits.shape
+        per_row = [[1.0] * rows, [0.0] * rows, [0.0] * rows, [0.0] * rows]
+        limited: list[int] = []  # rows with allowed_token_ids
+        pairs: dict[str, list[int]] = {kind: [] for kind in ("allowed", "biased", "banned", "seen", "generated")}
+        bias_values: list[float] = []
+        for row, p in batch.processing.items():
+            values = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p)
+            for column, value in zip(per_row, values, strict=True):
+                column[row] = value
+            if p.allowed_token_ids is not None:
+                limited.append(row)
+                pairs["allowed"] += [x for t in p.allowed_token_ids for x in (row, t)]
+            pairs["biased"] += [x for t in p.logit_bias for x in (row, t)]
+            bias_values += p.logit_bias.values()
+            pairs["banned"] += [x for t in p.banned_token_ids if t < vocab for x in (row, t)]
+            pairs["seen"] += [x for t in p.prompt_token_ids for x in (row, t)]
+            pairs["generated"] += [x for t in p.output_token_ids if 0 <= t < vocab for x in (row, t)]
+        ints = self._upload([*limited, *(x for kind in pairs.values() for x in kind)], torch.int64)
+        limited_rows, *flat = ints.split([len(limited), *(len(kind) for kind in pairs.values())])
+        at = {kind: tuple(t.view(-1, 2).t()) for kind, t in zip(pairs, flat, strict=True)}
+        floats = self._upload([*(x for column in per_row for x in column), *bias_values], torch.float32)
+        repetition, frequency, presence, min_p, biases = floats.split([rows] * 4 + [len(bias_values)])
+        device = logits.device
+        bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        bias[limited_rows] = float("-inf")  # everything but the allowed tokens banned in those rows
+        bias[at["allowed"]] = 0.0
+        bias.index_put_(at["biased"], biases, accumulate=True)
+        bias[at["banned"]] = float("-inf")
+        prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        prompt[at["seen"]] = True
+        counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        generated = at["generated"]
+        counts.index_put_(generated, torch.ones_like(generated[0], dtype=torch.int32), accumulate=True)
+        return self.ops.process_logits(
+            logits, bias, counts, prompt, repetition, frequency, presence, temperature, min_p
+        )
+
+    def _with_logprobs(
+        self, batch: StepBatch, result: list[Any], logits: torch.Tensor, sampled: torch.Tensor
+    ) -> StepResult:
+        """``result`` with the drawn tokens' logprobs (of the raw logits) for the rows that ask for them."""
+        asking = sorted(batch.logprobs)
+        at = self._upload(asking, torch.int64)
+        vocab = logits.shape[-1]
+        raw = logits.index_select(0, at)
+        raw = raw.masked_fill(~raw.isfinite().all(dim=-1, keepdim=True), 0.0)  # such a row is an error anyway
+        ids = sampled.index_select(0, at).clamp(0, vocab - 1)
+        values, indices = self.ops.top_logprobs(raw, ids, max(batch.logprobs[r] for r in asking))
+        found = _top_logprobs(values.tolist(), indices.tolist(), ids.tolist(), [batch.logprobs[r] for r in asking])
+        return StepResult(result, dict(zip(asking, found, strict=True)), getattr(result, "prompt_logprobs", None))
+
+    def _prompt_rows(self, batch: StepBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The packed rows of the prompt positions whose logprobs are asked for, and ``(sequence, index of the prompt
+        token, that token)`` for each: a position's logits predict the next prompt token."""
+        starts, total = [], 0
+        for n in batch.query_lens:
+            starts.append(total)
+            total += n
+        rows, where = [], []
+        for seq, (_, targets) in sorted(batch.prompt_logprobs.items()):
+            first = batch.seq_lens[seq] - batch.query_lens[seq]  # the chunk's first position
+            for offset, token in enumerate(targets):
+                rows.append(starts[seq] + offset)
+                where.append((seq, first + offset + 1, token))
+        return self._upload(rows, torch.int64), where
+
+    def _with_prompt_logprobs(
+        self, batch: StepBatch, result: list[Any], prompt_rows: Any, logits: torch.Tensor
+    ) -> StepResult:
+        """``result`` with the logprobs of the prompt tokens this step's logits predict."""
+        _, where = prompt_rows
+        out = StepResult(result, getattr(result, "logprobs", None))
+        if not where:
+            return out
+        raw = logits.masked_fill(~logits.isfinite().all(dim=-1, keepdim=True), 0.0)
+        ids = [token for *_, token in where]
+        wanted = [batch.prompt_logprobs[seq][0] for seq, *_ in where]
+        values, indices = self.ops.top_logprobs(raw, self._upload(ids, torch.int64), max(wanted))
+        for (seq, index, _), found in zip(
+            where, _top_logprobs(values.tolist(), indices.tolist(), ids, wanted), strict=True
+        ):
+            out.prompt_logprobs.setdefault(seq, []).append((index, found))
+        return out
 
     def _checked_ids(self, sampled: Any, rows: int) -> torch.Tensor:
         """The sample op's answer, refused unless it is one integer id per row (metadata only: no sync)."""
@@ -409,6 +528,16 @@ class ModelRunner:
         if self._pinned:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
+
+
+def _top_logprobs(
+    values: list[list[float]], indices: list[list[int]], token_ids: list[int], wanted: list[int]
+) -> list[TopLogprobs]:
+    """The ``top_logprobs`` op's rows (read on the host) as :class:`TopLogprobs`, each cut to the number its request wants."""
+    return [
+        TopLogprobs(token, v[0], i[0], tuple(zip(i[1 : 1 + n], v[1 : 1 + n], strict=True)))
+        for v, i, token, n in zip(values, indices, token_ids, wanted, strict=True)
+    ]
 
 
 def _non_finite_row(row: torch.Tensor) -> str:

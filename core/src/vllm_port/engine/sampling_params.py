@@ -6,13 +6,17 @@ import math
 import struct
 from dataclasses import dataclass, field
 
-__all__ = ["INT64_MAX", "MIN_TEMPERATURE", "SamplingParams"]
+__all__ = ["INT64_MAX", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MIN_TEMPERATURE", "SamplingParams"]
 
 #: The largest int the step's int64 metadata carries (``top_k``, seeds, token ids).
 INT64_MAX = 2**63 - 1
 #: The smallest temperature above 0 that sampling takes: the sampler divides float32 logits by the
 #: temperature, and below this ordinary logits (tens) would overflow float32 to infinity.
 MIN_TEMPERATURE = 1e-5
+#: The most top logprobs a request may ask for per token (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+#: A ``logit_bias`` value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range); outside it is refused.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -66,6 +70,21 @@ class SamplingParams:
             text ends just before it).
         skip_special_tokens: leave special tokens (``<s>``, ``</s>``, ...) out of the text (the token
             ids keep them).
+        presence_penalty: subtracted from the logit of every token already in the output; in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per time it is in the output; in [-2, 2].
+        repetition_penalty: tokens in the prompt or the output have positive logits divided by it and
+            negative ones multiplied by it; > 0 (1: none).
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely token's; in [0, 1].
+        min_tokens: until this many tokens are generated, the stop tokens (end-of-sequence and
+            ``stop_token_ids``) cannot be drawn and stop strings do not end the request; in [0, max_tokens].
+        logit_bias: token id -> value added to its logit before sampling, each in [-100, 100]
+            (outside is refused); ids are checked against the vocabulary when the request is submitted.
+        allowed_token_ids: only these tokens can be drawn (non-empty; ids checked at submission).
+        bad_words: words never generated (needs the tokenizer): a one-token word is never drawn, a
+            longer one's last token is banned right after its other tokens were generated.
+        logprobs: return the logprobs of this many most likely tokens at each generated position, and
+            the drawn token's own (in [0, 20]; None: none).
+        prompt_logprobs: the same for each prompt token after the first (in [0, 20]; None: none).
 
     :raises ValueError: for a value no request can run with; the message names the field.
     """
@@ -81,7 +100,18 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    _processes: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +157,76 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} is {getattr(self, name)!r}; it must be True or False")
         self._stop = tuple(stop)
+        self._validate_processing()
+
+    def _validate_processing(self) -> None:
+        """The logits processors and logprobs (vLLM's names and ranges)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"SamplingParams.{name} is {value!r}; it must be a number in [-2, 2] (0: none)")
+        r = self.repetition_penalty
+        if not _is_number(r) or not (0 < r and math.isfinite(r)) or _as_float32(r) == 0:
+            raise ValueError(f"SamplingParams.repetition_penalty is {r!r}; it must be a finite number > 0 (1: none)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p is {self.min_p!r}; it must be a number in [0, 1] (0: none)")
+        m = self.min_tokens
+        if not _is_int(m) or not 0 <= m <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens is {m!r}; it must be an int in [0, max_tokens] (max_tokens is "
+                f"{self.max_tokens})"
+            )
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or not all(_is_int(k) and k >= 0 for k in bias)
+            or not all(_is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in bias.values())
+        ):
+            raise ValueError(
+                f"SamplingParams.logit_bias is {bias!r:.200}; it must be a dict of int token ids >= 0 to numbers in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (values outside are refused, not clamped)"
+            )
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, (list, tuple)) or not allowed or not all(_is_int(i) and i >= 0 for i in allowed)
+        ):
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids is {allowed!r:.200}; it must be a non-empty list of int token ids "
+                ">= 0 (None allows every token)"
+            )
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w and _is_unicode(w) for w in words)
+        ):
+            raise ValueError(
+                f"SamplingParams.bad_words is {words!r:.200}; it must be a list of non-empty strings of valid Unicode"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"SamplingParams.{name} is {value!r}; it must be None or an int in [0, {MAX_LOGPROBS}] (how many "
+                    "of the most likely tokens to return; 0: only the chosen one)"
+                )
+
+        self._processes = bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.min_p
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the request needs its logits processed before the draw (penalties, min_p, biases, bans).
+
+        As of the last :meth:`validate` (construction, and ``generate`` checks every request again).
+        """
+        return self._processes
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -38,6 +38,14 @@ Stopping is decided in one place, :meth:`Scheduler.update`, as each sampled toke
 stop token, then the request's length (``max_tokens``, ``max_model_len``), then a stop string in its
 text. The text is not the scheduler's to read: the request carries a :class:`~.request.StopMatcher`
 (the engine's detokenizer), fed every output token, that answers whether a stop string has appeared.
+Before ``min_tokens`` output tokens only ``max_model_len`` ends a request (the stop tokens are banned
+from the draw meanwhile: :class:`RowProcessing`).
+
+The step batch carries what the sampler needs beyond temperature, top-k and top-p only for the
+requests that ask for it: each such row's :class:`RowProcessing` (penalties, ``min_p``, biases, the
+tokens banned this step by ``min_tokens`` and ``bad_words``), the rows that want logprobs, and the
+prompt tokens whose logprobs a step's positions predict. A request with ``prompt_logprobs`` takes
+nothing from the prefix cache (its cached positions would have no logits): it recomputes its prompt.
 """
 
 from __future__ import annotations
@@ -50,7 +58,16 @@ from ..errors import MemoryContractError
 from ..reclaimer import MemoryPressure, Reclaimer, RequestFacts, check_plan
 from .request import Request, RequestStatus
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "StepBatch", "TokenError"]
+__all__ = [
+    "RowProcessing",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "StepBatch",
+    "StepResult",
+    "TokenError",
+    "TopLogprobs",
+]
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,81 @@ class TokenError:
 
     message: str
     cache_suspect: bool = False
+
+
+@dataclass(frozen=True)
+class RowProcessing:
+    """What the ``process_logits`` op needs for one sampling row (only rows whose request asks for it).
+
+    Attributes:
+        repetition_penalty, frequency_penalty, presence_penalty, min_p: the request's.
+        logit_bias: token id -> value added to its logit.
+        allowed_token_ids: only these may be drawn (``None``: all).
+        banned_token_ids: ids that cannot be drawn this step: the stop tokens while fewer than
+            ``min_tokens`` are generated, and the bad words' tokens that would complete one.
+        prompt_token_ids: the prompt, for the repetition penalty (empty when it is 1).
+        output_token_ids: the tokens generated so far, for the penalties (empty when they are all off).
+    """
+
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    min_p: float
+    logit_bias: dict[int, float]
+    allowed_token_ids: tuple[int, ...] | None
+    banned_token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, seq: Request) -> RowProcessing:
+        """The processing of ``seq``'s next token, from its parameters and what it generated so far."""
+        p = seq.params
+        output = seq.output_token_ids
+        banned = [*seq.stop_token_ids] if seq.num_output_tokens < p.min_tokens else []
+        for word in seq.bad_words_token_ids:  # banned at its last token once the others were just generated
+            if len(word) <= len(output) + 1 and output[len(output) - len(word) + 1 :] == word[:-1]:
+                banned.append(word[-1])
+        penalised = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
+        return cls(
+            float(p.repetition_penalty),
+            float(p.frequency_penalty),
+            float(p.presence_penalty),
+            float(p.min_p),
+            dict(p.logit_bias or {}),
+            tuple(p.allowed_token_ids) if p.allowed_token_ids else None,
+            tuple(banned),
+            tuple(seq.prompt_token_ids) if p.repetition_penalty != 1 else (),
+            tuple(output) if penalised else (),
+        )
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """Logprobs at one position: the chosen (or given) token's, its rank (1: the most likely), and the top ones.
+
+    ``top`` holds ``(token id, logprob)`` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+class StepResult(list):  # type: ignore[type-arg]
+    """A step's sampled tokens (the list :meth:`Scheduler.update` takes), with the logprobs rows asked for.
+
+    Attributes:
+        logprobs: sampling row (position in ``sample_rows``) -> the drawn token's :class:`TopLogprobs`.
+        prompt_logprobs: scheduled sequence index -> ``(position of the prompt token, its TopLogprobs)``
+            for every prompt token this step's logits predict.
+    """
+
+    def __init__(self, tokens: Any = (), logprobs: Any = None, prompt_logprobs: Any = None) -> None:
+        super().__init__(tokens)
+        self.logprobs: dict[int, TopLogprobs] = dict(logprobs or {})
+        self.prompt_logprobs: dict[int, list[tuple[int, TopLogprobs]]] = dict(prompt_logprobs or {})
 
 
 @dataclass(frozen=True)
@@ -104,6 +196,12 @@ class StepBatch:
             ``(swap block, device block)``, made after the swap-outs.
         copies: ``(device block, device block)`` copies to make first of all: the partial last
             blocks of forked samples (``SamplingParams.n``).
+        processing: sampling row -> its :class:`RowProcessing`, for the requests with logits
+            processors (penalties, min_p, biases, bans); empty in a step without any.
+        logprobs: sampling row -> how many top logprobs its request asks for (empty: none).
+        prompt_logprobs: scheduled sequence -> how many top logprobs its request asks for at each prompt
+            position, and the prompt tokens this step's positions predict (the first position's is the
+            token after it); empty: none.
     """
 
     input_ids: list[int] = field(default_factory=list)
@@ -120,6 +218,9 @@ class StepBatch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    processing: dict[int, RowProcessing] = field(default_factory=dict)
+    logprobs: dict[int, int] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:
@@ -164,9 +265,19 @@ class SchedulerOutput:
             b.block_tables.append(table)
             b.seq_lens.append(end)
             b.query_lens.append(n)
+            p = seq.params
+            if p.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:  # the tokens its positions predict
+                b.prompt_logprobs[i] = (
+                    p.prompt_logprobs,
+                    seq.token_ids[start + 1 : min(end, seq.num_prompt_tokens - 1) + 1],
+                )
             if end == seq.num_tokens:
                 for sample in (seq, *seq.forks):  # samples waiting to fork draw from the same logits
                     p = sample.params
+                    if p.processes_logits:
+                        b.processing[len(b.sample_rows)] = RowProcessing.of(sample)
+                    if p.logprobs is not None:
+                        b.logprobs[len(b.sample_rows)] = p.logprobs
                     b.sample_rows.append(i)
                     b.temperatures.append(float(p.temperature))
                     b.top_ps.append(float(p.top_p))
@@ -349,10 +460,13 @@ class Scheduler:
         """Why ``seq`` ends with ``token``, its newest (``None``: it goes on); the one place stopping is decided.
 
         A stop token (``"stop"``) first, then the length (``"length"``: ``max_tokens`` or
-        ``max_model_len``), then a stop string in the text (``"stop"``). The stop matcher is fed every
+        ``max_model_len``), then a stop string in the text (``"stop"``); before ``min_tokens`` tokens,
+        only ``max_model_len``. The stop matcher is fed every
         token, also one that ends the request otherwise, so the text it decodes stays whole.
         """
         in_text = seq.stop_matcher is not None and seq.stop_matcher.feed(token)
+        if seq.num_output_tokens < seq.params.min_tokens:  # only the length ends it before min_tokens
+            return "length" if seq.num_tokens >= self.config.max_model_len else None
         if token in seq.stop_token_ids:
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
@@ -470,7 +584,9 @@ class Scheduler:
 
     def _start(self, seq: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Prefix lookups and blocks for the first chunk of a waiting request; its token count, or ``None``."""
-        hits = self._lookup(seq) if self.config.enable_prefix_caching else []
+        # prompt logprobs need the logits of every prompt position: such a request recomputes its cached prefix
+        cached = self.config.enable_prefix_caching and seq.params.prompt_logprobs is None
+        hits = self._lookup(seq) if cached else []
         if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
             seq.num_cached_tokens = len(hits) * self.block_size
         seq.block_table = hits

@@ -55,9 +55,10 @@ class Tokenizer:
         """Ids the tokenizer knows, added tokens included."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds (a beginning-of-sequence token)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds (a beginning-of-sequence token) unless not
+        ``add_special_tokens``."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
@@ -102,6 +103,7 @@ class IncrementalDetokenizer:
         ``include_stop_str_in_output``); by default the text ends just before it.
     :param skip_special_tokens: leave special tokens (``<s>``, ``</s>``, ...) out of the text, as
         ``tokenizers``' ``decode`` does with the same flag.
+    :param min_tokens: stop strings are looked for only once this many tokens were fed (``min_tokens``).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.include_stop = include_stop
@@ -125,12 +128,15 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output so far (cut before a stop string once one is found)
         self._emitted = 0  # characters of ``text`` handed out by add()
         self.stopped = False
+        self.min_tokens = min_tokens
+        self._fed = 0
 
     def feed(self, token_id: int) -> bool:
         """Decode one more output token; whether a stop string has appeared (:attr:`stopped`).
 
         The text then ends before the stop string, and later tokens add nothing.
         """
+        self._fed += 1
         if not self.stopped:
             self._ids.append(token_id)
             self._append(self._new_text(final=False))
@@ -160,6 +166,8 @@ class IncrementalDetokenizer:
             return
         start = max(len(self.text) - self._hold, 0)
         self.text += new
+        if self._fed < self.min_tokens:
+            return
         found = [(at, s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if found:  # the earliest stop string wins
             at, self.matched = min(found, key=lambda hit: hit[0])

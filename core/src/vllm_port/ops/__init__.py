@@ -25,18 +25,22 @@ from .checks import (
     check_linear,
     check_paged_attention,
     check_prefill_attention,
+    check_process_logits,
     check_reshape_and_cache,
     check_rms_norm,
     check_rotary_embedding,
     check_sample,
     check_silu_and_mul,
+    check_top_logprobs,
 )
 from .linear import embedding, linear
+from .logits import process_logits, top_logprobs
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import make_cos_sin_cache, rotary_embedding
 from .sampling import sample
 
-#: Every op of the contract, in the order a Llama forward pass meets them.
+#: Every op of the contract, in the order a Llama forward pass meets them (logits processed, a token drawn,
+#: its logprobs).
 ALL_OPS: tuple[Op, ...] = (
     embedding,
     rms_norm,
@@ -48,7 +52,9 @@ ALL_OPS: tuple[Op, ...] = (
     paged_attention,
     silu_and_mul,
     gelu_and_mul,
+    process_logits,
     sample,
+    top_logprobs,
 )
 
 __all__ = [
@@ -72,11 +78,13 @@ __all__ = [
     "check_linear",
     "check_paged_attention",
     "check_prefill_attention",
+    "check_process_logits",
     "check_reshape_and_cache",
     "check_rms_norm",
     "check_rotary_embedding",
     "check_sample",
     "check_silu_and_mul",
+    "check_top_logprobs",
     "embedding",
     "fused_add_rms_norm",
     "gelu_and_mul",
@@ -84,10 +92,12 @@ __all__ = [
     "make_cos_sin_cache",
     "paged_attention",
     "prefill_attention",
+    "process_logits",
     "provider",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "sample",
     "silu_and_mul",
+    "top_logprobs",
 ]

@@ -158,5 +158,7 @@ PROVIDERS: list[Provider] = [
     attention.paged_attention,
     silu_and_mul,
     gelu_and_mul,
+    sampling.process_logits,
     sampling.sample,
+    sampling.top_logprobs,
 ]

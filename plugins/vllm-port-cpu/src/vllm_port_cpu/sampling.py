@@ -1,4 +1,4 @@
-"""CPU provider of ``sample``: greedy, temperature, top-k and top-p for the whole batch at once.
+"""CPU providers of ``sample`` (and of ``process_logits``, ``top_logprobs``: at the end): greedy, temperature, top-k and top-p for the whole batch at once.
 
 Branch-free: whether any row uses top-k or top-p lives in tensors, and reading it would be a host
 read, so every row goes through the same sort. The noise is the contract's shared
@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from vllm_port.ops import provider
+from vllm_port.ops.logits import check_process_logits, check_top_logprobs
 from vllm_port.ops.sampling import check_sample, gumbel_noise
 
-__all__ = ["sample"]
+__all__ = ["process_logits", "sample", "top_logprobs"]
 
 
 @provider("sample", name="cpu_sample", priority=10)
@@ -36,3 +37,42 @@ def sample(
     dropped = torch.empty_like(drop).scatter_(1, order, drop)
     noisy = scores.masked_fill_(dropped, float("-inf")).add_(gumbel_noise(seeds, vocab))
     return torch.where(sampled, noisy.argmax(dim=-1), logits.argmax(dim=-1))
+
+
+@provider("process_logits", name="cpu_process_logits", priority=10)
+def process_logits(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Bias, penalties and min_p in float32, in place on one fresh buffer (the reference allocates five)."""
+    check_process_logits(logits, bias, output_counts, prompt_mask, repetition_penalty, frequency_penalty,
+                         presence_penalty, temperature, min_p)  # fmt: skip
+    x = logits.float().add(bias) if logits.dtype != torch.float32 else logits + bias
+    seen = output_counts > 0
+    repetition = repetition_penalty[:, None]
+    penalised = torch.where(x > 0, x / repetition, x * repetition)
+    x = torch.where(seen | prompt_mask, penalised, x)
+    x.sub_(frequency_penalty[:, None] * output_counts).sub_(presence_penalty[:, None] * seen)
+    # min_p: p_i < min_p * p_max is exp((x_i - x_max) / T) < min_p, no softmax needed
+    use = (temperature > 0) & (min_p > 0)
+    ratio = ((x - x.amax(dim=-1, keepdim=True)) / torch.where(use, temperature, 1.0)[:, None]).exp_()
+    # contiguous: torch keeps a strided input's layout through the element-wise ops (a no-op otherwise)
+    return x.masked_fill_((ratio < min_p[:, None]) & use[:, None], float("-inf")).contiguous()
+
+
+@provider("top_logprobs", name="cpu_top_logprobs", priority=10)
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax in float32, the given token's logprob and rank, and ``torch.topk`` for the largest."""
+    check_top_logprobs(logits, token_ids, num_top)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    own = lp.gather(1, token_ids.long()[:, None])
+    rank = (lp > own).sum(dim=-1, keepdim=True) + 1
+    top, order = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], rank[:, :0])
+    return torch.cat((own, top), dim=1), torch.cat((rank, order), dim=1)

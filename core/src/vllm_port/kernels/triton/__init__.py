@@ -32,6 +32,7 @@ def kernel_classes() -> list[type]:
     from .attention import AttentionKernels
     from .cache import CacheKernels
     from .linear import LinearKernels
+    from .logits import LogitsKernels
     from .norm import NormKernels
     from .rotary import RotaryKernels
     from .sampling import SamplingKernels
@@ -43,6 +44,7 @@ def kernel_classes() -> list[type]:
         CacheKernels,
         AttentionKernels,
         SamplingKernels,
+        LogitsKernels,
         LinearKernels,
     ]
 
