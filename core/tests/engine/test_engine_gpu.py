@@ -83,6 +83,26 @@ def test_device_greedy_equals_cpu(setup, device_runtime, enforce_eager):
     assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["captured", "eager"])
+def test_device_samples_fork_process_and_score_as_the_cpu_does(setup, device_runtime, enforce_eager):
+    """``n`` samples forked on the device (the partial block copied there), the logits processors and
+    logprobs (the ``process_logits`` and ``top_logprobs`` providers) give the CPU plugin's answer."""
+    model_dir, batch, _, _ = setup
+    features = dict(repetition_penalty=1.2, frequency_penalty=0.4, logit_bias={7: 5.0}, logprobs=3, prompt_logprobs=2)
+    params = SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True, **features)
+    cpu = LLM(str(model_dir), device=vllm_port.load(plugins="cpu"), kv_cache_memory=8 << 20)
+    device = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, enforce_eager=enforce_eager)
+    for want, got in zip(cpu.generate(batch, params), device.generate(batch, params), strict=True):
+        for w, g in zip(want.outputs, got.outputs, strict=True):
+            assert g.token_ids == w.token_ids
+            for we, ge, token in zip(w.logprobs, g.logprobs, g.token_ids, strict=True):
+                assert ge[token].logprob == pytest.approx(we[token].logprob, abs=1e-3)
+        assert got.outputs[0].token_ids == got.outputs[2].token_ids  # greedy samples agree
+        for we, ge in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+            assert set(ge) == set(we)
+    assert device.scheduler.pool.num_free == device.scheduler.pool.num_blocks
+
+
 def test_device_preemption_by_swap_keeps_greedy_output(setup, device_runtime):
     if "pinned_host" not in device_runtime.platform.memory_tiers:
         pytest.skip(f"platform {device_runtime.platform.name!r} has no pinned host tier")
