@@ -1,0 +1,218 @@
+"""The OpenAI request schemas the server takes (pydantic), and their mapping to ``SamplingParams``.
+
+A field the schema does not know is refused (400 naming it), not ignored: a misspelt ``max_token``
+must not silently generate 16 tokens. vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``, ...) are accepted and passed to the ``SamplingParams`` field of
+the same name; one that this engine's ``SamplingParams`` does not have is refused with a 400 that
+says so, unless its value is the neutral one (``repetition_penalty: 1.0`` asks for nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.sampling_params import SamplingParams
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "InvalidParameter",
+    "StreamOptions",
+    "sampling_params",
+]
+
+
+class InvalidParameter(ValueError):
+    """A request parameter the server cannot honour; ``param`` names it (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # OpenAI's end-user id: recorded nowhere, accepted as OpenAI accepts it
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+#: OpenAI/vLLM field -> (the SamplingParams field, the value that asks for nothing). A field whose
+#: SamplingParams counterpart does not exist yet is refused unless its value is this neutral one.
+_PASSED_THROUGH: dict[str, tuple[str, Any]] = {
+    "n": ("n", 1),
+    "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "min_p": ("min_p", 0.0),
+    "min_tokens": ("min_tokens", 0),
+    "logit_bias": ("logit_bias", {}),
+    "allowed_token_ids": ("allowed_token_ids", None),
+    "bad_words": ("bad_words", []),
+    "logprobs": ("logprobs", None),
+    "prompt_logprobs": ("prompt_logprobs", None),
+    "include_stop_str_in_output": ("include_stop_str_in_output", False),
+    "skip_special_tokens": ("skip_special_tokens", True),
+}
+#: Fields the engine has had from the start, passed as they are.
+_DIRECT = ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "ignore_eos")
+#: The OpenAI name of a SamplingParams field, where they differ (for error messages).
+_OPENAI_NAME = {"max_tokens": "max_tokens"}
+
+
+def engine_supports(field_name: str) -> bool:
+    """Whether this engine's ``SamplingParams`` has ``field_name``."""
+    return field_name in {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """The ``SamplingParams`` a request asks for, generating at most ``max_tokens``.
+
+    :raises InvalidParameter: naming the field that this engine cannot honour or that has a bad value.
+    """
+    given = request.model_dump(exclude_unset=True)
+    fields: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in _DIRECT:
+        if given.get(name) is not None:
+            fields[name] = given[name]
+    if "top_k" in fields and fields["top_k"] == 0:
+        fields["top_k"] = -1
+    wanted = dict(given)
+    if isinstance(request, ChatCompletionRequest):  # chat: logprobs is a switch, top_logprobs the count
+        wanted["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
+    if wanted.get("logit_bias"):
+        wanted["logit_bias"] = _token_bias(wanted["logit_bias"])
+    for name, (field_name, neutral) in _PASSED_THROUGH.items():
+        value = wanted.get(name)
+        if value is None or value == neutral:
+            continue
+        if not engine_supports(field_name):
+            raise InvalidParameter(
+                f"{name} is not supported by this engine yet (SamplingParams has no {field_name!r}); "
+                f"leave it out or set it to {neutral!r}",
+                name,
+            )
+        fields[field_name] = value
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as exc:
+        match = re.search(r"SamplingParams\.(\w+)", str(exc))
+        param = _OPENAI_NAME.get(match.group(1), match.group(1)) if match else None
+        raise InvalidParameter(str(exc), param) from exc
+
+
+def _token_bias(bias: dict[str, float]) -> dict[int, float]:
+    """``logit_bias``'s keys are token ids written as strings (JSON object keys)."""
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise InvalidParameter(
+            f"logit_bias keys must be token ids (e.g. {{'50256': -100}}), got {sorted(bias)[:5]}", "logit_bias"
+        ) from None
+
+
+def refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse the OpenAI fields this server accepts in the schema but cannot honour.
+
+    :raises InvalidParameter: naming the field.
+    """
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise InvalidParameter("echo is not supported; leave it out and prepend the prompt yourself", "echo")
+        if request.suffix:
+            raise InvalidParameter("suffix is not supported (no fill-in-the-middle model)", "suffix")
+        if request.best_of not in (None, request.n):
+            raise InvalidParameter(f"best_of must equal n ({request.n}) or be left out", "best_of")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidParameter("stream_options is only allowed when stream is true", "stream_options")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as a chat template reads them: a content of parts becomes its text parts joined."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidParameter(
+                        f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                        f"got {part!r:.80}",
+                        "messages",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+#: The finish reasons a client sees (an engine error is reported as an error object instead).
+FinishReason = Literal["stop", "length"]
