@@ -101,7 +101,6 @@ class RequestGroup:
             self._last_token_at[key] = now
         if delta.finish_reason is not None:
             self._finished += 1
-            metrics.request_success.labels(delta.finish_reason).inc()
             if delta.finish_reason in ("stop", "length"):
                 metrics.e2e_request_latency.observe(now - self.arrival)
             if self.done:
@@ -275,6 +274,8 @@ class AsyncEngine:
             deltas = self._fail_all(exc)
         routed = [(self._queues[d.request_id], d) for d in deltas if d.request_id in self._queues]
         for delta in deltas:
+            if delta.finish_reason is not None:
+                self.metrics.request_success.labels(delta.finish_reason).inc()
             if delta.finish_reason is not None and delta.request_id in self._queues:
                 self._unfinished_samples[delta.request_id] -= 1
                 if not self._unfinished_samples[delta.request_id]:
