@@ -512,10 +512,10 @@ def sample_texts(model: Any, tokenizer: Any, device: Any, seed: int, new_tokens:
     return out
 
 
-
 #: The bundled model's chat template (LLM.chat, vllm-port serve's /v1/chat/completions): each turn as
 #: 'Role: text' and a blank line, then 'Assistant:' to prompt the next turn.
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('roles are system, user and assistant; got ' + message['role']) }}{% endif %}{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+
 
 def save(
     args: argparse.Namespace,

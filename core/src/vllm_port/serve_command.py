@@ -21,7 +21,9 @@ HELP = "serve the engine over HTTP, OpenAI-compatible (default: the bundled mode
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``vllm-port serve``."""
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR", help="model directory (default: bundled)")
+    parser.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL_DIR", help="model directory (default: bundled)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument(

@@ -19,6 +19,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -77,9 +78,10 @@ class RoundResult:
 
     @property
     def ok(self) -> bool:
-        return not (
-            self.malformed or self.mismatched or self.errors or self.leaked_blocks or self.health_failures
-        ) and self.aborted == self.disconnected
+        return (
+            not (self.malformed or self.mismatched or self.errors or self.leaked_blocks or self.health_failures)
+            and self.aborted == self.disconnected
+        )
 
 
 # --- the server -----------------------------------------------------------------------------------
@@ -120,16 +122,18 @@ def start_server(
     import httpx
 
     port = free_port()
-    log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-port-serve-{port}.log"
+    log = log or Path(tempfile.gettempdir()) / f"vllm-port-serve-{port}.log"
     argv = [sys.executable, "-m", "vllm_port.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)  # noqa: S603 - our own CLI
     server = ServerProcess(process, port, log)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
-                why = f"exited {process.returncode}" if process.returncode is not None else f"no answer in {timeout_s} s"
+                why = (
+                    f"exited {process.returncode}" if process.returncode is not None else f"no answer in {timeout_s} s"
+                )
                 raise RuntimeError(f"vllm-port serve {' '.join(args)}: {why}\n{log.read_text()[-3000:]}")
             try:
                 if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
@@ -240,7 +244,9 @@ async def _one(client: Any, url: str, model: str, job: _Job, result: RoundResult
                 await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
                 continue
             if response.status_code != 200:
-                result.errors.append(f"request {job.index}: HTTP {response.status_code} {(await response.aread())[:200]!r}")
+                result.errors.append(
+                    f"request {job.index}: HTTP {response.status_code} {(await response.aread())[:200]!r}"
+                )
                 return None
             lines, chunks = [], 0
             async for line in response.aiter_lines():
@@ -265,7 +271,7 @@ async def _health(client: Any, base_url: str, result: RoundResult, stop: asyncio
         started = time.monotonic()
         try:
             ok = (await client.get(f"{base_url}/health", timeout=5.0)).status_code == 200
-        except Exception:  # noqa: BLE001 - any failure to answer is a failed check
+        except Exception:
             ok = False
         result.health_checks += 1
         result.health_failures += not ok
@@ -319,7 +325,9 @@ async def _round(base_url: str, pid: int | None, model: str, config: LoadConfig,
             for job in pending:
                 text = await _one(client, url, model, job, result, ttfts)
                 if text is not None and text != references[(job.prompt, job.max_tokens)]:
-                    result.mismatched.append(f"request {job.index}: {text[:40]!r} != {references[(job.prompt, job.max_tokens)][:40]!r}")
+                    result.mismatched.append(
+                        f"request {job.index}: {text[:40]!r} != {references[(job.prompt, job.max_tokens)][:40]!r}"
+                    )
 
         stop = asyncio.Event()
         health = asyncio.create_task(_health(client, base_url, result, stop))

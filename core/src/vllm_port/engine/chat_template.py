@@ -117,9 +117,7 @@ class ChatTemplate:
         template.origin = f"chat template {path}"
         return template
 
-    def render(
-        self, messages: Conversation, add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
+    def render(self, messages: Conversation, add_generation_prompt: bool = True, **extra: Any) -> str:
         """``messages`` as one prompt, as ``transformers``' ``apply_chat_template(..., tokenize=False)`` renders them.
 
         :param add_generation_prompt: end with the tokens that start the assistant's turn.
@@ -152,7 +150,9 @@ def _check_conversation(messages: Any) -> None:
         raise ChatTemplateError(f"messages is {messages!r:.80}; give a list of {{'role': ..., 'content': ...}} dicts")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
-            raise ChatTemplateError(f"messages[{i}] is {message!r:.80}; each message is a dict with 'role' and 'content'")
+            raise ChatTemplateError(
+                f"messages[{i}] is {message!r:.80}; each message is a dict with 'role' and 'content'"
+            )
 
 
 def _raise_exception(message: str) -> None:
@@ -161,8 +161,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     """``tojson`` as chat templates expect it: ``json.dumps`` without Jinja's HTML escaping."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -345,7 +345,9 @@ class LLM:
         """
         one = bool(messages) and isinstance(messages[0], Mapping)
         conversations = [messages] if one else list(messages)
-        rendered = [self.apply_chat_template(c, chat_template, add_generation_prompt, tokenize=False) for c in conversations]
+        rendered = [
+            self.apply_chat_template(c, chat_template, add_generation_prompt, tokenize=False) for c in conversations
+        ]
         prompts = [self._tokenizer_for_chat().encode(text, add_special_tokens=False) for text in rendered]
         outputs = self.generate(prompts, sampling_params)
         for out, text in zip(outputs, rendered, strict=True):

@@ -24,12 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.chat_template import ChatTemplate, ChatTemplateError
 from ..engine.llm import StreamOutput
-from .async_engine import AsyncEngine, EngineFull, RequestGroup, RequestRefused
+from .async_engine import AsyncEngine, EngineFullError, RequestGroup, RequestRefusedError
 from .metrics import CONTENT_TYPE
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidParameter,
+    InvalidParameterError,
     message_dicts,
     refuse_unsupported,
     sampling_params,
@@ -60,9 +60,7 @@ def _bad_request(message: str, param: str | None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param, "invalid_value")
 
 
-def build_app(
-    engine: AsyncEngine, served_model_names: list[str], chat_template: ChatTemplate | None = None
-) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_names: list[str], chat_template: ChatTemplate | None = None) -> FastAPI:
     """The server's application over ``engine``, answering to ``served_model_names`` (the first is reported).
 
     :param chat_template: renders chat messages; ``None``: the model's own (chat answers 400 without one).
@@ -89,7 +87,9 @@ def build_app(
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> JSONResponse:
-        message = f"no endpoint {request.method} {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+        message = (
+            f"no endpoint {request.method} {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+        )
         return OpenAIError(404, message, "invalid_request_error", None, "not_found").response()
 
     @app.get("/health")
@@ -158,8 +158,11 @@ class _Server:
     def _check_model(self, model: str | None) -> str:
         if model is not None and model not in self.names:
             raise OpenAIError(
-                404, f"the model {model!r} does not exist; this server serves {self.names}", "invalid_request_error",
-                "model", "model_not_found",
+                404,
+                f"the model {model!r} does not exist; this server serves {self.names}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
             )
         return model or self.names[0]
 
@@ -168,11 +171,11 @@ class _Server:
             refuse_unsupported(body)
             params = sampling_params(body, max_tokens)
             return await self.engine.submit(prompts, params, getattr(params, "n", 1))
-        except InvalidParameter as exc:
+        except InvalidParameterError as exc:
             raise _bad_request(str(exc), exc.param) from None
-        except RequestRefused as exc:
+        except RequestRefusedError as exc:
             raise _bad_request(str(exc).removeprefix("request 0: "), prompt_param) from None
-        except EngineFull as exc:
+        except EngineFullError as exc:
             error = OpenAIError(503, str(exc), "server_overloaded", None, "server_overloaded")
             error.headers["Retry-After"] = str(RETRY_AFTER_S)
             raise error from None
@@ -248,7 +251,7 @@ class _Server:
             raise _bad_request("chat needs the model's tokenizer.json, which this model lacks", "messages")
         try:
             text = self.chat_template.render(message_dicts(body.messages), body.add_generation_prompt)
-        except InvalidParameter as exc:
+        except InvalidParameterError as exc:
             raise _bad_request(str(exc), exc.param) from None
         except ChatTemplateError as exc:
             raise _bad_request(str(exc), "messages") from None
@@ -316,7 +319,9 @@ class _Answer:
         try:
             async for prompt_index, delta in group:
                 if delta.finish_reason == "error":
-                    yield _event(OpenAIError(500, str(delta.error), "internal_server_error", None, "engine_error").body())
+                    yield _event(
+                        OpenAIError(500, str(delta.error), "internal_server_error", None, "engine_error").body()
+                    )
                     continue
                 index = self.choice_index(prompt_index, delta)
                 self.completion_tokens += len(delta.token_ids)

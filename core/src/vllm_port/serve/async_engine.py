@@ -14,7 +14,7 @@ and ``abort_request``. The front end hands it commands through an inbox under a 
 variable, which the thread waits on while there is no work (it never spins); each step's deltas
 come back to the loop in one ``call_soon_threadsafe`` and go to their requests' queues. A request
 counts against ``max_num_seqs + max_waiting`` from its submission to its end; past that,
-:meth:`AsyncEngine.submit` raises :class:`EngineFull` (the server answers 503 with ``Retry-After``).
+:meth:`AsyncEngine.submit` raises :class:`EngineFullError` (the server answers 503 with ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from ..engine.llm import LLM, AddedRequest, StreamOutput
 from ..engine.sampling_params import SamplingParams
 from .metrics import ServerMetrics
 
-__all__ = ["AsyncEngine", "EngineFull", "RequestGroup", "RequestRefused"]
+__all__ = ["AsyncEngine", "EngineFullError", "RequestGroup", "RequestRefusedError"]
 
 
-class EngineFull(Exception):
+class EngineFullError(Exception):
     """Too many requests running and waiting: come back in ``retry_after`` seconds."""
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
@@ -42,7 +42,7 @@ class EngineFull(Exception):
         self.retry_after = retry_after
 
 
-class RequestRefused(ValueError):
+class RequestRefusedError(ValueError):
     """The engine refused a prompt (empty, past ``max_model_len``, ids outside the vocabulary)."""
 
     def __init__(self, message: str, prompt_index: int) -> None:
@@ -177,8 +177,8 @@ class AsyncEngine:
         """Queue one engine request per prompt; return their group to stream from.
 
         :param samples: the samples each request yields (``params.n``, when the engine has it).
-        :raises EngineFull: when the running and waiting requests would pass the capacity.
-        :raises RequestRefused: when the engine refuses a prompt (the others are then aborted).
+        :raises EngineFullError: when the running and waiting requests would pass the capacity.
+        :raises RequestRefusedError: when the engine refuses a prompt (the others are then aborted).
         :raises ValueError: for sampling parameters the engine refuses.
         """
         if not self.alive:
@@ -186,7 +186,7 @@ class AsyncEngine:
         wanted = len(prompts) * samples
         if self._in_flight + wanted > self.capacity:
             self.metrics.requests_rejected.inc()
-            raise EngineFull(
+            raise EngineFullError(
                 f"the server is full: {self._in_flight} requests running or waiting, at most {self.capacity} "
                 "(--max-num-seqs plus --max-waiting); retry later"
             )
@@ -208,7 +208,7 @@ class AsyncEngine:
         refused = next(((i, a) for i, a in enumerate(added) if a.error is not None), None)
         if refused is not None:
             await group.aclose()
-            raise RequestRefused(str(refused[1].error), refused[0])
+            raise RequestRefusedError(str(refused[1].error), refused[0])
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in group.prompt_token_ids))
         return group
 
@@ -221,7 +221,7 @@ class AsyncEngine:
         def run() -> None:
             try:
                 result = command()
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller, who raises it
+            except BaseException as exc:
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
@@ -270,7 +270,7 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             deltas = self.llm.step()
-        except Exception as exc:  # noqa: BLE001 - a step that fails ends its requests with the error, not the server
+        except Exception as exc:
             deltas = self._fail_all(exc)
         routed = [(self._queues[d.request_id], d) for d in deltas if d.request_id in self._queues]
         for delta in deltas:
@@ -294,7 +294,7 @@ class AsyncEngine:
             failed += [_error_delta(request_id, sample, message) for sample in range(samples)]
         try:
             self.llm.step()  # drains the aborted requests' deltas (nothing is left to schedule)
-        except Exception:  # noqa: BLE001, S110 - the requests have their error already
+        except Exception:  # noqa: S110 - the requests have their error already
             pass
         return failed
 

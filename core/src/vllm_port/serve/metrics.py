@@ -24,18 +24,26 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
-            "vllm_port:time_to_first_token_seconds", "From arrival to the first token.", buckets=_LATENCY_BUCKETS,
+            "vllm_port:time_to_first_token_seconds",
+            "From arrival to the first token.",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.inter_token_latency = Histogram(
-            "vllm_port:inter_token_latency_seconds", "Between a request's successive tokens.",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.e2e_request_latency = Histogram(
-            "vllm_port:e2e_request_latency_seconds", "From arrival to the last token.", buckets=_LATENCY_BUCKETS,
+            "vllm_port:inter_token_latency_seconds",
+            "Between a request's successive tokens.",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.num_requests_running = Gauge("vllm_port:num_requests_running", "Requests in the running batch.", registry=r)
+        self.e2e_request_latency = Histogram(
+            "vllm_port:e2e_request_latency_seconds",
+            "From arrival to the last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.num_requests_running = Gauge(
+            "vllm_port:num_requests_running", "Requests in the running batch.", registry=r
+        )
         self.num_requests_waiting = Gauge(
             "vllm_port:num_requests_waiting", "Requests waiting for the batch (preempted ones included).", registry=r
         )
@@ -50,8 +58,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("vllm_port:prompt_tokens", "Prompt tokens of requests admitted.", registry=r)
         self.generation_tokens = Counter("vllm_port:generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(
-            "vllm_port:request_success", "Requests finished, by finish reason (abort: the client left).",
-            ["finished_reason"], registry=r,
+            "vllm_port:request_success",
+            "Requests finished, by finish reason (abort: the client left).",
+            ["finished_reason"],
+            registry=r,
         )
         self.requests_rejected = Counter(
             "vllm_port:requests_rejected", "Requests answered 503 because the waiting queue was full.", registry=r

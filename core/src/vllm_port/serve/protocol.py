@@ -21,13 +21,13 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
-    "InvalidParameter",
+    "InvalidParameterError",
     "StreamOptions",
     "sampling_params",
 ]
 
 
-class InvalidParameter(ValueError):
+class InvalidParameterError(ValueError):
     """A request parameter the server cannot honour; ``param`` names it (OpenAI's error ``param``)."""
 
     def __init__(self, message: str, param: str | None) -> None:
@@ -132,7 +132,7 @@ def engine_supports(field_name: str) -> bool:
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     """The ``SamplingParams`` a request asks for, generating at most ``max_tokens``.
 
-    :raises InvalidParameter: naming the field that this engine cannot honour or that has a bad value.
+    :raises InvalidParameterError: naming the field that this engine cannot honour or that has a bad value.
     """
     given = request.model_dump(exclude_unset=True)
     fields: dict[str, Any] = {"max_tokens": max_tokens}
@@ -151,7 +151,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         if value is None or value == neutral:
             continue
         if not engine_supports(field_name):
-            raise InvalidParameter(
+            raise InvalidParameterError(
                 f"{name} is not supported by this engine yet (SamplingParams has no {field_name!r}); "
                 f"leave it out or set it to {neutral!r}",
                 name,
@@ -162,7 +162,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
     except (TypeError, ValueError) as exc:
         match = re.search(r"SamplingParams\.(\w+)", str(exc))
         param = _OPENAI_NAME.get(match.group(1), match.group(1)) if match else None
-        raise InvalidParameter(str(exc), param) from exc
+        raise InvalidParameterError(str(exc), param) from exc
 
 
 def _token_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -170,7 +170,7 @@ def _token_bias(bias: dict[str, float]) -> dict[int, float]:
     try:
         return {int(token): float(value) for token, value in bias.items()}
     except ValueError:
-        raise InvalidParameter(
+        raise InvalidParameterError(
             f"logit_bias keys must be token ids (e.g. {{'50256': -100}}), got {sorted(bias)[:5]}", "logit_bias"
         ) from None
 
@@ -178,17 +178,17 @@ def _token_bias(bias: dict[str, float]) -> dict[int, float]:
 def refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse the OpenAI fields this server accepts in the schema but cannot honour.
 
-    :raises InvalidParameter: naming the field.
+    :raises InvalidParameterError: naming the field.
     """
     if isinstance(request, CompletionRequest):
         if request.echo:
-            raise InvalidParameter("echo is not supported; leave it out and prepend the prompt yourself", "echo")
+            raise InvalidParameterError("echo is not supported; leave it out and prepend the prompt yourself", "echo")
         if request.suffix:
-            raise InvalidParameter("suffix is not supported (no fill-in-the-middle model)", "suffix")
+            raise InvalidParameterError("suffix is not supported (no fill-in-the-middle model)", "suffix")
         if request.best_of not in (None, request.n):
-            raise InvalidParameter(f"best_of must equal n ({request.n}) or be left out", "best_of")
+            raise InvalidParameterError(f"best_of must equal n ({request.n}) or be left out", "best_of")
     if request.stream_options is not None and not request.stream:
-        raise InvalidParameter("stream_options is only allowed when stream is true", "stream_options")
+        raise InvalidParameterError("stream_options is only allowed when stream is true", "stream_options")
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -200,7 +200,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidParameter(
+                    raise InvalidParameterError(
                         f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                         f"got {part!r:.80}",
                         "messages",
