@@ -308,3 +308,16 @@ def test_a_small_load_run_passes_every_check(server) -> None:
     assert report["ok"], format_table(report)
     assert result["completed"] + result["disconnected"] == 40 and result["disconnected"] >= 1
     assert result["aborted"] == result["disconnected"] and result["leaked_blocks"] == 0
+
+
+def test_the_readme_serve_example_runs(server, capsys) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("\n## Serve") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "http://127.0.0.1:8000/v1" in code
+    code = code.replace("http://127.0.0.1:8000/v1", f"{server.base_url}/v1")
+    exec(compile(code, "README.md: Serve", "exec"), {})  # the README's own example, against this server
+    assert len(capsys.readouterr().out.split()) >= 5

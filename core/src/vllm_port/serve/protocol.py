@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,9 @@ __all__ = [
     "CompletionRequest",
     "InvalidParameterError",
     "StreamOptions",
+    "engine_supports",
+    "message_dicts",
+    "refuse_unsupported",
     "sampling_params",
 ]
 
@@ -120,8 +123,6 @@ _PASSED_THROUGH: dict[str, tuple[str, Any]] = {
 }
 #: Fields the engine has had from the start, passed as they are.
 _DIRECT = ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "ignore_eos")
-#: The OpenAI name of a SamplingParams field, where they differ (for error messages).
-_OPENAI_NAME = {"max_tokens": "max_tokens"}
 
 
 def engine_supports(field_name: str) -> bool:
@@ -161,7 +162,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         return SamplingParams(**fields)
     except (TypeError, ValueError) as exc:
         match = re.search(r"SamplingParams\.(\w+)", str(exc))
-        param = _OPENAI_NAME.get(match.group(1), match.group(1)) if match else None
+        param = match.group(1) if match else None  # the OpenAI fields carry SamplingParams' names
         raise InvalidParameterError(str(exc), param) from exc
 
 
@@ -212,7 +213,3 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["name"] = message.name
         out.append(entry)
     return out
-
-
-#: The finish reasons a client sees (an engine error is reported as an error object instead).
-FinishReason = Literal["stop", "length"]
