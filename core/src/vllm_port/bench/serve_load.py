@@ -66,6 +66,7 @@ class RoundResult:
     malformed: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     retried_503: int = 0
+    connection_retries: int = 0
     errors: list[str] = field(default_factory=list)
     leaked_blocks: int = 0
     health_checks: int = 0
@@ -219,7 +220,10 @@ def check_stream(lines: list[str], max_tokens: int) -> tuple[str, str | None]:
         return "", "a line that is not a 'data:' event"
     if not events or events[-1] != "[DONE]":
         return "", "no 'data: [DONE]' at the end"
-    chunks = [json.loads(e) for e in events[:-1]]
+    try:
+        chunks = [json.loads(e) for e in events[:-1]]
+    except json.JSONDecodeError as exc:
+        return "", f"an event that is not JSON ({exc})"
     if not chunks or chunks[-1].get("choices") != [] or not chunks[-1].get("usage"):
         return "", "no usage chunk before [DONE]"
     body, usage = chunks[:-1], chunks[-1]["usage"]
@@ -235,7 +239,26 @@ def check_stream(lines: list[str], max_tokens: int) -> tuple[str, str | None]:
 
 
 async def _one(client: Any, url: str, model: str, job: _Job, result: RoundResult, ttfts: list[float]) -> str | None:
-    """Run one job; the text of a completed stream (``None`` for a disconnect)."""
+    """Run one job; the text of a completed stream (``None`` for a disconnect).
+
+    A connection that fails before any answer (a kept-alive one the server closed as it was reused)
+    is counted and the request sent again, as an HTTP client's retry would; one that fails after
+    the answer began is an error.
+    """
+    import httpx
+
+    for attempt in range(3):
+        try:
+            return await _attempt(client, url, model, job, result, ttfts)
+        except httpx.TransportError as exc:
+            if getattr(exc, "answered", False) or attempt == 2:
+                result.errors.append(f"request {job.index}: {type(exc).__name__}: {exc}")
+                return None
+            result.connection_retries += 1
+    return None
+
+
+async def _attempt(client: Any, url: str, model: str, job: _Job, result: RoundResult, ttfts: list[float]) -> str | None:
     while True:
         started = time.monotonic()
         async with client.stream("POST", url, json=_payload(model, job.prompt, job.max_tokens)) as response:
@@ -249,14 +272,18 @@ async def _one(client: Any, url: str, model: str, job: _Job, result: RoundResult
                 )
                 return None
             lines, chunks = [], 0
-            async for line in response.aiter_lines():
-                if line and not lines:
-                    ttfts.append(time.monotonic() - started)
-                lines.append(line)
-                chunks += bool(line)
-                if job.disconnect_after and chunks >= job.disconnect_after:
-                    result.disconnected += 1
-                    return None  # leaving the block closes the connection mid-stream
+            try:
+                async for line in response.aiter_lines():
+                    if line and not lines:
+                        ttfts.append(time.monotonic() - started)
+                    lines.append(line)
+                    chunks += bool(line)
+                    if job.disconnect_after and chunks >= job.disconnect_after:
+                        result.disconnected += 1
+                        return None  # leaving the block closes the connection mid-stream
+            except Exception as exc:
+                exc.answered = True  # type: ignore[attr-defined]  # not retried: the stream had begun
+                raise
         text, problem = check_stream(lines, job.max_tokens)
         if problem:
             result.malformed.append(f"request {job.index}: {problem}")
@@ -363,7 +390,7 @@ def run_load(base_url: str, pid: int | None, config: LoadConfig, model: str = "b
 def format_table(report: dict[str, Any]) -> str:
     head = (
         f"{'round':>5} {'s':>6} {'done':>5} {'left':>5} {'aborted':>7} {'tok/s':>7} {'TTFT p50':>9} {'p99 ms':>7} "
-        f"{'leaked':>6} {'bad':>4} {'503s':>5} {'health':>11} {'RSS MiB':>8}"
+        f"{'leaked':>6} {'bad':>4} {'503s':>5} {'reconn':>6} {'health':>11} {'max ms':>7} {'RSS MiB':>8}"
     )
     lines = [head]
     for r in report["rounds"]:
@@ -372,7 +399,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['round']:>5} {r['seconds']:>6.1f} {r['completed']:>5} {r['disconnected']:>5} {r['aborted']:>7} "
             f"{r['tokens'] / max(r['seconds'], 1e-9):>7.0f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} "
-            f"{r['leaked_blocks']:>6} {bad:>4} {r['retried_503']:>5} {health:>11} {r['rss_bytes'] / 2**20:>8.1f}"
+            f"{r['leaked_blocks']:>6} {bad:>4} {r['retried_503']:>5} {r['connection_retries']:>6} {health:>11} "
+            f"{r['health_max_ms']:>7.0f} {r['rss_bytes'] / 2**20:>8.1f}"
         )
     lines.append(f"RSS flat: {report['rss_flat']}; all checks: {'PASS' if report['ok'] else 'FAIL'}")
     return "\n".join(lines)
