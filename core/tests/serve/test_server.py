@@ -303,7 +303,7 @@ def test_metrics_are_prometheus_text_with_the_vllm_port_names(server, client) ->
 def test_a_small_load_run_passes_every_check(server) -> None:
     from vllm_port.bench.serve_load import LoadConfig, format_table, run_load
 
-    report = run_load(server.base_url, server.pid, LoadConfig(requests=40, concurrency=8, rounds=1, prompts=8))
+    report = run_load(server.base_url, server.pid, LoadConfig(requests=40, concurrency=8, rounds=1, prompts=8, warmup_rounds=0))
     (result,) = report["rounds"]
     assert report["ok"], format_table(report)
     assert result["completed"] + result["disconnected"] == 40 and result["disconnected"] >= 1

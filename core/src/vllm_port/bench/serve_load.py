@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -50,7 +51,10 @@ class LoadConfig:
     disconnect: float = 0.2
     rounds: int = 3
     prompts: int = 64
-    max_tokens: tuple[int, int] = (8, 48)
+    max_tokens: tuple[int, ...] = (8, 16, 32, 48)
+    #: rounds run first and checked like the others, but not counted for the RSS check: they warm the
+    #: allocator, the tokenizer's caches and the prefix cache up
+    warmup_rounds: int = 1
     seed: int = 0
 
 
@@ -196,7 +200,7 @@ def _jobs(config: LoadConfig, prompts: list[str], round_index: int) -> list[_Job
     jobs = []
     for i in range(config.requests):
         leaves = rng.random() < config.disconnect
-        tokens = _DISCONNECT_MAX_TOKENS if leaves else rng.randint(*config.max_tokens)
+        tokens = _DISCONNECT_MAX_TOKENS if leaves else rng.choice(config.max_tokens)
         jobs.append(_Job(i, rng.choice(prompts), tokens, rng.randint(1, 3) if leaves else 0))
     return jobs
 
@@ -293,17 +297,27 @@ async def _attempt(client: Any, url: str, model: str, job: _Job, result: RoundRe
         return text
 
 
-async def _health(client: Any, base_url: str, result: RoundResult, stop: asyncio.Event) -> None:
+def _poll_health(base_url: str, stop: Any, out: Any) -> None:
+    """Ask ``/health`` every 0.2 s until ``stop`` is set; put ``(checks, failures, slowest ms)`` on ``out``.
+
+    In a process of its own: the load's clients keep this process's event loop busy, and a poller
+    sharing it would time its own lag, not the server's.
+    """
+    import urllib.request
+
+    checks = failures = 0
+    slowest = 0.0
     while not stop.is_set():
         started = time.monotonic()
         try:
-            ok = (await client.get(f"{base_url}/health", timeout=5.0)).status_code == 200
-        except Exception:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=10) as response:  # noqa: S310 - our server
+                ok = response.status == 200
+        except OSError:
             ok = False
-        result.health_checks += 1
-        result.health_failures += not ok
-        result.health_max_ms = max(result.health_max_ms, 1000 * (time.monotonic() - started))
-        await asyncio.sleep(0.2)
+        checks, failures = checks + 1, failures + (not ok)
+        slowest = max(slowest, 1000 * (time.monotonic() - started))
+        stop.wait(0.2)
+    out.put((checks, failures, slowest))
 
 
 async def _settled_metrics(client: Any, base_url: str, timeout_s: float = 30.0) -> dict[str, float]:
@@ -322,27 +336,36 @@ def _aborts(metrics: dict[str, float]) -> int:
     return int(metrics.get('vllm_port:request_success_total{finished_reason="abort"}', 0))
 
 
-async def _references(client: Any, base_url: str, model: str, jobs: list[_Job]) -> dict[tuple[str, int], str]:
-    """Each distinct (prompt, max_tokens) of the completing jobs, run alone."""
+async def _references(base_url: str, model: str, jobs: list[_Job]) -> dict[tuple[str, int], str]:
+    """Each distinct (prompt, max_tokens) of the completing jobs, run alone (one request at a time)."""
+    import httpx
+
     wanted = sorted({(j.prompt, j.max_tokens) for j in jobs if not j.disconnect_after})
     out = {}
-    for prompt, max_tokens in wanted:
-        payload = {**_payload(model, prompt, max_tokens), "stream": False}
-        del payload["stream_options"]
-        response = await client.post(f"{base_url}/v1/completions", json=payload)
-        response.raise_for_status()
-        out[(prompt, max_tokens)] = response.json()["choices"][0]["text"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+        for prompt, max_tokens in wanted:
+            payload = {**_payload(model, prompt, max_tokens), "stream": False}
+            del payload["stream_options"]
+            response = await client.post(f"{base_url}/v1/completions", json=payload)
+            response.raise_for_status()
+            out[(prompt, max_tokens)] = response.json()["choices"][0]["text"]
     return out
 
 
-async def _round(base_url: str, pid: int | None, model: str, config: LoadConfig, index: int) -> RoundResult:
+async def _round(
+    base_url: str,
+    pid: int | None,
+    model: str,
+    jobs: list[_Job],
+    references: dict[tuple[str, int], str],
+    index: int,
+    concurrency: int,
+) -> RoundResult:
     import httpx
 
     result = RoundResult(index)
-    jobs = _jobs(config, _prompts(config), index)
-    limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=config.concurrency + 4)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
-        references = await _references(client, base_url, model, jobs)
         before = _aborts(await _settled_metrics(client, base_url))
         pending = iter(jobs)
         ttfts: list[float] = []
@@ -356,14 +379,17 @@ async def _round(base_url: str, pid: int | None, model: str, config: LoadConfig,
                         f"request {job.index}: {text[:40]!r} != {references[(job.prompt, job.max_tokens)][:40]!r}"
                     )
 
-        stop = asyncio.Event()
-        health = asyncio.create_task(_health(client, base_url, result, stop))
+        spawn = multiprocessing.get_context("spawn")
+        stop, health_out = spawn.Event(), spawn.Queue()
+        health = spawn.Process(target=_poll_health, args=(base_url, stop, health_out), daemon=True)
+        health.start()
         started = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(config.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         result.seconds = time.monotonic() - started
         settled = await _settled_metrics(client, base_url)
         stop.set()
-        await health
+        result.health_checks, result.health_failures, result.health_max_ms = health_out.get(timeout=30)
+        health.join()
     result.aborted = _aborts(settled) - before
     result.leaked_blocks = int(settled["vllm_port:kv_cache_total_blocks"] - settled["vllm_port:kv_cache_free_blocks"])
     result.rss_bytes = rss_bytes(pid) if pid else 0
@@ -376,12 +402,19 @@ async def _round(base_url: str, pid: int | None, model: str, config: LoadConfig,
 
 def run_load(base_url: str, pid: int | None, config: LoadConfig, model: str = "bundled") -> dict[str, Any]:
     """Every round of ``config`` against the server at ``base_url`` (``pid``: for its RSS); the report."""
-    rounds = [asyncio.run(_round(base_url, pid, model, config, i)) for i in range(config.rounds)]
-    first, last = rounds[0].rss_bytes, rounds[-1].rss_bytes
+    prompts = _prompts(config)
+    jobs = [_jobs(config, prompts, i) for i in range(config.warmup_rounds + config.rounds)]
+    references = asyncio.run(_references(base_url, model, [j for round_jobs in jobs for j in round_jobs]))
+    rounds = [
+        asyncio.run(_round(base_url, pid, model, round_jobs, references, i, config.concurrency))
+        for i, round_jobs in enumerate(jobs)
+    ]
+    measured = rounds[config.warmup_rounds :]
+    first, last = measured[0].rss_bytes, measured[-1].rss_bytes
     rss_flat = not pid or last <= first * (1 + _RSS_SLACK) + _RSS_SLACK_BYTES
     return {
         "config": asdict(config),
-        "rounds": [{**asdict(r), "ok": r.ok} for r in rounds],
+        "rounds": [{**asdict(r), "ok": r.ok, "warmup": r.round < config.warmup_rounds} for r in rounds],
         "rss_flat": rss_flat,
         "ok": rss_flat and all(r.ok for r in rounds),
     }
@@ -397,12 +430,15 @@ def format_table(report: dict[str, Any]) -> str:
         bad = len(r["malformed"]) + len(r["mismatched"]) + len(r["errors"])
         health = f"{r['health_checks'] - r['health_failures']}/{r['health_checks']}"
         lines.append(
-            f"{r['round']:>5} {r['seconds']:>6.1f} {r['completed']:>5} {r['disconnected']:>5} {r['aborted']:>7} "
+            f"{('w' if r['warmup'] else '') + str(r['round']):>5} {r['seconds']:>6.1f} {r['completed']:>5} {r['disconnected']:>5} {r['aborted']:>7} "
             f"{r['tokens'] / max(r['seconds'], 1e-9):>7.0f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} "
             f"{r['leaked_blocks']:>6} {bad:>4} {r['retried_503']:>5} {r['connection_retries']:>6} {health:>11} "
             f"{r['health_max_ms']:>7.0f} {r['rss_bytes'] / 2**20:>8.1f}"
         )
-    lines.append(f"RSS flat: {report['rss_flat']}; all checks: {'PASS' if report['ok'] else 'FAIL'}")
+    lines.append(
+        f"RSS flat over the rounds after warm-up (w): {report['rss_flat']}; all checks: "
+        f"{'PASS' if report['ok'] else 'FAIL'}"
+    )
     return "\n".join(lines)
 
 
@@ -412,6 +448,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--concurrency", type=int, default=100, help="concurrent clients (default 100)")
     parser.add_argument("--disconnect", type=float, default=0.2, help="fraction that leave mid-stream (default 0.2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, for the RSS check (default 3)")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds before them, not in the RSS check")
     parser.add_argument("--base-url", default=None, help="use this server instead of starting one")
     parser.add_argument("--model", default=None, metavar="DIR", help="model directory to serve (default: bundled)")
     parser.add_argument("--device", default="cpu", help="the started server's platform (default cpu)")
@@ -421,7 +458,7 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """Run ``vllm-port bench serve-load``; exit status 0 when every check passed."""
-    config = LoadConfig(args.requests, args.concurrency, args.disconnect, args.rounds)
+    config = LoadConfig(args.requests, args.concurrency, args.disconnect, args.rounds, warmup_rounds=args.warmup_rounds)
     model = args.model or "bundled"  # the name the started server answers to
     if args.base_url:
         report = run_load(args.base_url.rstrip("/"), None, config, model)
