@@ -303,7 +303,9 @@ def test_metrics_are_prometheus_text_with_the_vllm_port_names(server, client) ->
 def test_a_small_load_run_passes_every_check(server) -> None:
     from vllm_port.bench.serve_load import LoadConfig, format_table, run_load
 
-    report = run_load(server.base_url, server.pid, LoadConfig(requests=40, concurrency=8, rounds=1, prompts=8, warmup_rounds=0))
+    report = run_load(
+        server.base_url, server.pid, LoadConfig(requests=40, concurrency=8, rounds=1, prompts=8, warmup_rounds=0)
+    )
     (result,) = report["rounds"]
     assert report["ok"], format_table(report)
     assert result["completed"] + result["disconnected"] == 40 and result["disconnected"] >= 1
@@ -321,3 +323,31 @@ def test_the_readme_serve_example_runs(server, capsys) -> None:
     code = code.replace("http://127.0.0.1:8000/v1", f"{server.base_url}/v1")
     exec(compile(code, "README.md: Serve", "exec"), {})  # the README's own example, against this server
     assert len(capsys.readouterr().out.split()) >= 5
+
+
+def test_a_model_without_a_chat_template_is_a_400_until_one_is_given(cpu_runtime, tmp_path) -> None:
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from vllm_port.data import bundled_model_dir
+    from vllm_port.engine.chat_template import ChatTemplate
+    from vllm_port.serve.app import build_app
+    from vllm_port.serve.async_engine import AsyncEngine
+
+    bare = tmp_path / "bare"
+    shutil.copytree(bundled_model_dir(), bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = LLM(str(bare), device=cpu_runtime, kv_cache_memory=2 << 20)
+    body = {"model": "bare", "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    with TestClient(build_app(AsyncEngine(llm, 4), ["bare"])) as http:
+        refused = http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and "--chat-template FILE" in refused.json()["error"]["message"]
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    with TestClient(build_app(AsyncEngine(llm, 4), ["bare"], ChatTemplate.from_file(template, bare))) as http:
+        answered = http.post("/v1/chat/completions", json=body)
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode("Where is Mr Darcy?\n"))
