@@ -201,7 +201,9 @@ def main() -> int:
     if args.smoke:
         args.input_len, args.output_len, args.num_prompts, args.rates = 16, 8, 8, "4,inf"
     if not (Path(args.vllm_python).parent / "vllm").exists():
-        print(f"error: no vllm next to {args.vllm_python}; make the peer venv with dev/setup-vllm-peer", file=sys.stderr)
+        print(
+            f"error: no vllm next to {args.vllm_python}; make the peer venv with dev/setup-vllm-peer", file=sys.stderr
+        )
         return 2
     results: dict[str, Any] = {"load_before": os.getloadavg(), "shapes": {}}
     with tempfile.TemporaryDirectory(prefix="serve-vs-vllm-") as tmp:
