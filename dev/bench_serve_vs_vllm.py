@@ -199,7 +199,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
         lines += [f"### {shape}", "", "| server | request rate | " + " | ".join(t for _, t in COLUMNS) + " |"]
         lines.append("| --- | --- |" + " --- |" * len(COLUMNS))
         for rate in args.rates.split(","):
-            for system in ("vllm", "vllm-port"):
+            for system in systems:
                 r = systems.get(system, {}).get(rate) or systems.get(system, {})
                 if "error" in r:
                     lines.append(f"| {system} | {rate} | error: {r['error'][:120]!r} |")
@@ -219,6 +219,7 @@ def main() -> int:
     parser.add_argument("--rates", default="2,8,inf", help="request rates, comma-separated; inf: saturation")
     parser.add_argument("--out", default=str(REPO / "docs" / "results" / "serve-cpu.md"))
     parser.add_argument("--json", default=None, help="also write every raw result here")
+    parser.add_argument("--systems", default="vllm,vllm-port", help="which servers to run (default both)")
     parser.add_argument("--smoke", action="store_true", help="a tiny run that proves the pipeline (not the numbers)")
     args = parser.parse_args()
     if args.smoke:
@@ -234,7 +235,7 @@ def main() -> int:
             print(f"{shape_name}: building the model ...", flush=True)
             model_dir = build(shape, Path(tmp) / f"model-{i}")
             results["shapes"][shape_name] = {
-                system: run_system(system, args, model_dir, Path(tmp)) for system in ("vllm", "vllm-port")
+                system: run_system(system, args, model_dir, Path(tmp)) for system in args.systems.split(",")
             }
     results["load_after"] = os.getloadavg()
     text = (
