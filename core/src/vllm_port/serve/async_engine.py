@@ -216,15 +216,14 @@ class AsyncEngine:
         """Run ``command`` on the engine thread; its result (or exception) comes back here."""
         assert self._loop is not None
         future: asyncio.Future[Any] = self._loop.create_future()
-        loop = self._loop
 
         def run() -> None:
             try:
                 result = command()
-            except BaseException as exc:
-                loop.call_soon_threadsafe(_settle, future, None, exc)
+            except BaseException as exc:  # handed back to the caller, who raises it
+                self._to_loop(_settle, future, None, exc)
             else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
+                self._to_loop(_settle, future, result, None)
 
         self._post(run)
         return await future
@@ -282,8 +281,15 @@ class AsyncEngine:
                     del self._queues[delta.request_id], self._unfinished_samples[delta.request_id]
         self._publish_state()
         if routed:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(_deliver, routed)
+            self._to_loop(_deliver, routed)
+
+    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run ``callback(*args)`` on the front end's loop; nothing once that loop has closed (shutting down)."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to read the result
+            pass
 
     def _fail_all(self, exc: Exception) -> list[StreamOutput]:
         """Abort every request after a failed step; each gets its last delta with the error."""
