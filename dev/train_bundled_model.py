@@ -512,6 +512,11 @@ def sample_texts(model: Any, tokenizer: Any, device: Any, seed: int, new_tokens:
     return out
 
 
+#: The bundled model's chat template (LLM.chat, vllm-port serve's /v1/chat/completions): each turn as
+#: 'Role: text' and a blank line, then 'Assistant:' to prompt the next turn.
+CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('roles are system, user and assistant; got ' + message['role']) }}{% endif %}{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+
+
 def save(
     args: argparse.Namespace,
     model: Any,
@@ -547,6 +552,7 @@ def save(
         "add_bos_token": True,
         "model_max_length": config.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (staging / "README.md").write_text(model_readme(args, config, n_params, steps, best, train_s, samples))

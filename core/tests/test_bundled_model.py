@@ -166,6 +166,8 @@ def test_training_script_writes_a_loadable_seeded_model(
     assert "--steps 4" in readme and "validation" in readme and "--out" not in readme
     tokenizer_config = json.loads((outs[0] / "tokenizer_config.json").read_text())
     assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<s>", "</s>")
+    shipped = json.loads((bundled_model_dir() / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == shipped["chat_template"] == script.CHAT_TEMPLATE
     generation = json.loads((outs[0] / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (0, 1)
 

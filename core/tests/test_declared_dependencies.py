@@ -34,7 +34,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 #: modules a distribution ships that need one of its extras, with the extra (skipped where it is not installed)
-NEEDS_EXTRA = {"vllm_port.kernels.triton": "triton"}
+NEEDS_EXTRA = {"vllm_port.kernels.triton": "triton", "vllm_port.serve": "serve"}
 #: GPU plugins: certify must say the device is absent here, not that the plugin failed
 GPU_PLUGINS = {"plugins/vllm-port-cuda": "cuda", "plugins/vllm-port-rocm": "rocm", "plugins/vllm-port-xpu": "xpu"}
 pytestmark = pytest.mark.xdist_group(WHEELS_GROUP)  # one worker builds the wheels, for test_wheels.py too
@@ -170,8 +170,9 @@ def test_a_venv_of_its_declared_dependencies_loads_it(source: str, base: dict[st
         python = _venv(tmp_path / "venv", below=base["base"])
         _pip_install(python, str(base[source]))
     # core's own Triton kernels need its `triton` extra, which the CUDA plugin brings as a dependency
-    skip = [] if source == "plugins/vllm-port-cuda" else list(NEEDS_EXTRA)
-    _imports_every_module(python, packages + (["vllm_port.kernels.triton"] if not skip else []), tmp_path, skip)
+    skip = [m for m, extra in NEEDS_EXTRA.items() if not (extra == "triton" and source == "plugins/vllm-port-cuda")]
+    extra = ["vllm_port.kernels.triton"] if "vllm_port.kernels.triton" not in skip else []
+    _imports_every_module(python, packages + extra, tmp_path, skip)
 
     report = _doctor(python, tmp_path)
     plugins = {p["name"]: p for p in report["plugins"]}

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "profile": "vllm_port.profile.profile_command",
     "check-repro": "vllm_port.replay_command",
     "generate": "vllm_port.engine.generate_command",
+    "serve": "vllm_port.serve_command",
     "bench": "vllm_port.bench.bench_command",
 }
 

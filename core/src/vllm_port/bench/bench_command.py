@@ -217,6 +217,18 @@ def _run_placement(args: argparse.Namespace) -> int:
 
 
 #: ``vllm-port bench NAME`` -> the benchmark, in the order ``vllm-port bench --help`` lists them.
+def _serve_load_arguments(parser: argparse.ArgumentParser) -> None:
+    from .serve_load import add_arguments as serve_load_arguments  # the standard library alone
+
+    serve_load_arguments(parser)
+
+
+def _run_serve_load(args: argparse.Namespace) -> int:
+    from . import serve_load
+
+    return serve_load.run(args)
+
+
 KINDS: dict[str, BenchKind] = {
     "dispatch": BenchKind("overhead of calling a bound op on CPU", _dispatch_arguments, _run_dispatch),
     "ops": BenchKind(
@@ -242,6 +254,11 @@ KINDS: dict[str, BenchKind] = {
         "offline throughput of LLM.generate beside transformers and vLLM on one workload",
         _engine_arguments,
         _run_engine,
+    ),
+    "serve-load": BenchKind(
+        "streaming clients against vllm-port serve, some leaving mid-stream: well formed, equal, no leak",
+        _serve_load_arguments,
+        _run_serve_load,
     ),
     "placement": BenchKind(
         "decode tok/s with the MLPs or LM head on the host under a device budget, vs all on the host",

@@ -19,6 +19,7 @@ from .sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AddedRequest",
     "CompletionOutput",
     "EngineConfig",
     "EngineError",

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +48,7 @@ from ..models import load_config
 from ..models.loader import check_fits
 from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
+from .chat_template import ChatTemplate, ChatTemplateError, Conversation
 from .config import EngineConfig
 from .inputs import Prompt, unpack_prompt
 from .logprobs import Logprob
@@ -61,6 +62,7 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer, open_tokenizer
 __all__ = [
     "HOST_KV_CACHE_BYTES",
     "LLM",
+    "AddedRequest",
     "CompletionOutput",
     "EngineConfig",
     "EngineError",
@@ -168,6 +170,22 @@ class StreamOutput:
     error: str | None = None
     sample_index: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass(frozen=True)
+class AddedRequest:
+    """What :meth:`LLM.add_request` did with one request.
+
+    Attributes:
+        request_id: the id its deltas carry, for :meth:`LLM.abort_request`.
+        prompt_token_ids: its prompt as token ids (empty when the prompt could not be read).
+        error: why it was refused (an empty prompt, one past ``max_model_len``, ids outside the
+            vocabulary); ``None`` when it was queued. A refused request yields no delta.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    error: str | None = None
 
 
 @dataclass
@@ -323,6 +341,7 @@ class LLM:
         self._seeds = random.Random(config.seed)  # noqa: S311 - sampling seeds, not secrets
         self._ids = itertools.count()
         self._live: dict[str, _Submission] = {}  # requests of open generate/stream calls, by id
+        self._added: dict[str, tuple[_Call, list[_Submission]]] = {}  # add_request's calls, by the id it returned
 
     # --- facts -------------------------------------------------------------------------------------
 
@@ -393,6 +412,73 @@ class LLM:
         early aborts the requests still running (their blocks go back to the pool).
         """
         return self._run(self._requests(prompts, sampling_params))
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the next turn of a conversation (or of each of a list of them), as vLLM's ``LLM.chat``.
+
+        Each conversation (``[{"role": "user", "content": "..."}]``) is rendered with the model's chat
+        template (:meth:`apply_chat_template`) and generated like :meth:`generate`; an output's
+        ``prompt`` is the rendered text.
+
+        :param chat_template: template text to use instead of the model's.
+        :raises ChatTemplateError: when the model has no chat template and none is given, or the
+            template refuses a conversation.
+        """
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        rendered = [
+            self.apply_chat_template(c, chat_template, add_generation_prompt, tokenize=False) for c in conversations
+        ]
+        prompts = [self._tokenizer_for_chat().encode(text, add_special_tokens=False) for text in rendered]
+        outputs = self.generate(prompts, sampling_params)
+        for out, text in zip(outputs, rendered, strict=True):
+            out.prompt = text
+        return outputs
+
+    def apply_chat_template(
+        self,
+        messages: Conversation,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+    ) -> Any:
+        """One conversation rendered with the model's chat template (or ``chat_template``): its prompt
+        token ids, or its text when ``tokenize`` is false (the template writes the special tokens; none is added).
+
+        :raises ChatTemplateError: when the model has no chat template and none is given, or the
+            template refuses the conversation.
+        """
+        if chat_template is not None:
+            template = ChatTemplate.from_model_dir(self.model_dir, chat_template) if self.model_dir else None
+            template = template or ChatTemplate(chat_template)
+        else:
+            template = self._model_chat_template()
+        text = template.render(messages, add_generation_prompt)
+        return self._tokenizer_for_chat().encode(text, add_special_tokens=False) if tokenize else text
+
+    def _model_chat_template(self) -> ChatTemplate:
+        cached = getattr(self, "_chat_template", None)
+        if cached is None:
+            cached = ChatTemplate.from_model_dir(self.model_dir) if self.model_dir is not None else None
+            if cached is None:
+                raise ChatTemplateError(
+                    f"the model {self.model_dir or self.config.architecture} has no chat_template in its "
+                    "tokenizer_config.json, so a conversation cannot be rendered; pass one: "
+                    "LLM.chat(..., chat_template=TEXT), or vllm-port serve --chat-template FILE"
+                )
+            self._chat_template = cached
+        return cached
+
+    def _tokenizer_for_chat(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ChatTemplateError(f"chat needs the model's tokenizer, and {self.model_dir} has no tokenizer.json")
+        return self.tokenizer
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -501,16 +587,10 @@ class LLM:
         request, and each delta waits in its own call's queue until that call yields it.
         """
         call = _Call()
-        mine = [r for r in requests if r.seq.finish_reason != "error"]
         for r in requests:
             if r.seq.finish_reason == "error":
                 call.outputs.append(r.delta([], ""))
-        for r in mine:
-            r.call = call
-            self._live[r.seq.request_id] = r
-            if r.seq.sample_index == 0:  # the others fork from it (Request.forks)
-                self.scheduler.add(r.seq)
-        call.unfinished = len(mine)
+        mine = self._enqueue(requests, call)
         try:
             while call.outputs or call.unfinished:
                 if not call.outputs:
@@ -523,6 +603,69 @@ class LLM:
                 if not r.seq.is_finished:
                     self.scheduler.finish(r.seq, "abort")
                 self._live.pop(r.seq.request_id, None)
+
+    def _enqueue(self, requests: list[_Submission], call: _Call) -> list[_Submission]:
+        """Schedule ``requests`` not refused, their deltas going to ``call``; return them."""
+        mine = [r for r in requests if r.seq.finish_reason != "error"]
+        for r in mine:
+            r.call = call
+            self._live[r.seq.request_id] = r
+            if r.seq.sample_index == 0:  # the others fork from it (Request.forks)
+                self.scheduler.add(r.seq)
+        call.unfinished += len(mine)
+        return mine
+
+    # --- engine core: requests added and stepped by one caller (the server's engine thread) ------
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AddedRequest:
+        """Queue one request for :meth:`step`, as vLLM's ``LLMEngine.add_request``.
+
+        The engine-core API beside ``generate``/``stream``: a server adds requests as they arrive,
+        calls :meth:`step` while :meth:`has_unfinished_requests`, and routes each delta by its
+        ``request_id``. Every call of it (and of ``step``, ``abort_request``) must come from one
+        thread, the one that steps the engine.
+
+        :return: the request's id and prompt tokens, or why it was refused (``error``; no delta follows).
+        :raises ValueError: for sampling parameters no request can run with.
+        """
+        requests = self._requests([prompt], sampling_params)
+        first = requests[0].seq
+        refused = next((r.seq.error for r in requests if r.seq.finish_reason == "error"), None)
+        if refused is not None:
+            return AddedRequest(first.request_id, list(first.prompt_token_ids), refused)
+        call = _Call()
+        self._added[first.request_id] = (call, self._enqueue(requests, call))
+        return AddedRequest(first.request_id, list(first.prompt_token_ids))
+
+    def step(self) -> list[StreamOutput]:
+        """Run one engine step (when a request waits or runs); return the new deltas of every added request.
+
+        A delta's ``request_id`` is the one :meth:`add_request` returned; each request's last delta has
+        ``finish_reason`` set (``"abort"`` after :meth:`abort_request`).
+        """
+        if self.scheduler.has_unfinished():
+            self._step()
+        deltas: list[StreamOutput] = []
+        for request_id, (call, requests) in list(self._added.items()):
+            deltas += call.outputs  # every sample's deltas carry the request's id (_Submission.delta)
+            call.outputs.clear()
+            if not call.unfinished:
+                del self._added[request_id]
+                for r in requests:
+                    self._live.pop(r.seq.request_id, None)
+        return deltas
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request :meth:`add_request` queued: its blocks go back to the pool now, and the next
+        :meth:`step` returns its last delta (``finish_reason == "abort"``).
+
+        :return: whether it was unfinished (``False``: unknown, or already finished).
+        """
+        return request_id in self._added and self.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request added by :meth:`add_request` runs, waits, or has deltas :meth:`step` has not returned."""
+        return bool(self._added)
 
     def abort(self, request_id: str) -> bool:
         """End a running request now, every sample of it: its blocks go back to the pool (its cached prefix stays cached).

@@ -56,8 +56,8 @@ class Tokenizer:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds (a beginning-of-sequence token) unless not
-        ``add_special_tokens``."""
+        """Token ids of ``text``, with the special tokens the tokenizer adds (a beginning-of-sequence token)
+        unless ``add_special_tokens`` is false (a chat template writes its own)."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
