@@ -59,3 +59,25 @@ def test_a_refused_prompt_comes_back_with_its_error_and_no_delta(llm: LLM) -> No
     params.temperature = -1.0  # changed after it was checked: checked again
     with pytest.raises(ValueError, match="temperature"):
         llm.add_request("The sea", params)
+
+
+def test_n_samples_step_and_abort_as_one_request(llm: LLM) -> None:
+    """An added request's ``n`` samples come back under its id (``sample_index`` tells them apart), as
+    ``generate`` makes them; aborting the request ends every sample and frees their blocks."""
+    pool = llm.runner.pool
+    free = pool.num_free
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=5, ignore_eos=True, logprobs=1)
+    added = llm.add_request("The sea was", params)
+    deltas = _drain(llm)[added.request_id]
+    want = llm.generate("The sea was", params)[0].outputs
+    for sample in want:
+        mine = [d for d in deltas if d.sample_index == sample.index]
+        assert [t for d in mine for t in d.token_ids] == sample.token_ids
+        assert [lp for d in mine for lp in d.logprobs] == sample.logprobs
+        assert mine[-1].finish_reason == "length"
+    aborted = llm.add_request("Once upon a time", params)
+    llm.step()
+    assert llm.abort_request(aborted.request_id) and not llm.abort_request(aborted.request_id)
+    last = _drain(llm)[aborted.request_id]
+    assert sorted(d.sample_index for d in last if d.finish_reason == "abort") == [0, 1, 2]
+    assert pool.num_free == free and not llm._live and not llm.has_unfinished_requests()

@@ -341,7 +341,9 @@ class LLM:
         self._seeds = random.Random(config.seed)  # noqa: S311 - sampling seeds, not secrets
         self._ids = itertools.count()
         self._live: dict[str, _Submission] = {}  # requests of open generate/stream calls, by id
-        self._added: dict[str, tuple[_Call, list[_Submission]]] = {}  # add_request's calls, by the id it returned
+        # add_request's requests: one call holds all their deltas; per request id, its samples not yet finished
+        self._core = _Call()
+        self._added: dict[str, int] = {}
 
     # --- facts -------------------------------------------------------------------------------------
 
@@ -633,8 +635,7 @@ class LLM:
         refused = next((r.seq.error for r in requests if r.seq.finish_reason == "error"), None)
         if refused is not None:
             return AddedRequest(first.request_id, list(first.prompt_token_ids), refused)
-        call = _Call()
-        self._added[first.request_id] = (call, self._enqueue(requests, call))
+        self._added[first.request_id] = len(self._enqueue(requests, self._core))
         return AddedRequest(first.request_id, list(first.prompt_token_ids))
 
     def step(self) -> list[StreamOutput]:
@@ -645,14 +646,14 @@ class LLM:
         """
         if self.scheduler.has_unfinished():
             self._step()
-        deltas: list[StreamOutput] = []
-        for request_id, (call, requests) in list(self._added.items()):
-            deltas += call.outputs  # every sample's deltas carry the request's id (_Submission.delta)
-            call.outputs.clear()
-            if not call.unfinished:
-                del self._added[request_id]
-                for r in requests:
-                    self._live.pop(r.seq.request_id, None)
+        deltas = list(self._core.outputs)  # every sample's deltas carry its request's id (_Submission.delta)
+        self._core.outputs.clear()
+        for delta in deltas:  # the step's bookkeeping grows with its deltas, not with the requests added
+            if delta.finish_reason is not None:
+                self._live.pop(_sample_id(delta.request_id, delta.sample_index), None)
+                self._added[delta.request_id] -= 1
+                if not self._added[delta.request_id]:
+                    del self._added[delta.request_id]
         return deltas
 
     def abort_request(self, request_id: str) -> bool:
