@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -72,6 +73,26 @@ def _patch_triton_language_once_per_launch() -> bool:
     return True
 
 
+def _cheap_processes() -> None:
+    """One torch thread a process, and Python's bytecode caches kept, here and in every process the run starts.
+
+    pytest-xdist runs one worker a core: a second torch thread in each only contends for a core that
+    is already busy, and OpenMP threads spinning on a loaded machine cost up to twice the CPU seconds
+    of one thread (a CPU certification: 41 CPU s on one thread, 94 on two under load). A developer's
+    own ``OMP_NUM_THREADS`` is kept. The run starts about a hundred Python processes
+    (certifications, ranks, venvs, the command line): with ``PYTHONDONTWRITEBYTECODE`` set (some
+    machines set it), each would compile every module it imports that a cache does not already hold,
+    and pytest's assertion rewrites of hypothesis and the suite, again; dropped here, the first
+    process writes the caches (``__pycache__/``, which git ignores) and the others read them.
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # before the xdist workers and subprocesses start: they read it
+        torch.set_num_threads(1)  # this process's torch has started its threads already
+    if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        sys.dont_write_bytecode = False
+
+
+_cheap_processes()
 if not torch.accelerator.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
