@@ -3,7 +3,8 @@
 Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen before the first
 ``@triton.jit`` function is made: any test module may import a plugin that defines kernels (the CUDA
 plugin's fusions), so the choice is made here, not in the Triton tests' own conftest. The
-interpreter is spared one redundant step (:func:`_patch_triton_language_once_per_launch`).
+interpreter is spared one redundant step (:func:`_patch_triton_language_once_per_launch`). Every
+process of the run gets one torch thread and keeps its bytecode caches (:func:`_cheap_processes`).
 
 pyproject.toml's ``addopts`` hands pytest-xdist its workers (``-n auto --maxprocesses 4 --dist
 loadgroup``). Where xdist is not loaded (``-p no:xdist``, or a venv set up before it was a
