@@ -34,6 +34,7 @@ def test_cpu_plugin_passes_the_suite(tmp_path):
     assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_suite_without_a_plugin_name_is_a_usage_error(tmp_path):
     proc = run_suite(tmp_path)
     assert proc.returncode != 0

@@ -58,6 +58,7 @@ def test_the_benchmark_counts_the_leading_tokens_two_runs_agree_on():
     assert bench.leading_agreement([], []) == 0
 
 
+@pytest.mark.slow
 def test_the_benchmark_warms_each_model_up_with_every_prompt_of_the_batch(tmp_path, monkeypatch):
     calls = []
     real = bench.warm_up
