@@ -3,7 +3,8 @@
 Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen before the first
 ``@triton.jit`` function is made: any test module may import a plugin that defines kernels (the CUDA
 plugin's fusions), so the choice is made here, not in the Triton tests' own conftest. The
-interpreter is spared one redundant step (:func:`_patch_triton_language_once_per_launch`).
+interpreter is spared one redundant step (:func:`_patch_triton_language_once_per_launch`). Every
+process of the run gets one torch thread and keeps its bytecode caches (:func:`_cheap_processes`).
 
 pyproject.toml's ``addopts`` hands pytest-xdist its workers (``-n auto --maxprocesses 4 --dist
 loadgroup``). Where xdist is not loaded (``-p no:xdist``, or a venv set up before it was a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -33,6 +35,8 @@ def _patch_triton_language_once_per_launch() -> bool:
     although the launch's replacement is still in place: a third of the time of a prefill-attention
     sample whose loop calls helpers. Here a helper whose modules the running launch already patched
     skips that repeat; the replacement is the same either way (one builder, the same functions).
+    Kept for what it saves: ``core/tests/triton`` in one process took 147 CPU s with it, 179 without
+    (issue 26; 16 of the 32 s on the bfloat16 prefill samples).
     True once installed; False without Triton's interpreter (nothing is changed).
     """
     try:
@@ -72,6 +76,26 @@ def _patch_triton_language_once_per_launch() -> bool:
     return True
 
 
+def _cheap_processes() -> None:
+    """One torch thread a process, and Python's bytecode caches kept, here and in every process the run starts.
+
+    pytest-xdist runs one worker a core: a second torch thread in each only contends for a core that
+    is already busy, and OpenMP threads spinning on a loaded machine cost up to twice the CPU seconds
+    of one thread (a CPU certification: 41 CPU s on one thread, 94 on two under load). A developer's
+    own ``OMP_NUM_THREADS`` is kept. The run starts about a hundred Python processes
+    (certifications, ranks, venvs, the command line): with ``PYTHONDONTWRITEBYTECODE`` set (some
+    machines set it), each would compile every module it imports that a cache does not already hold,
+    and pytest's assertion rewrites of hypothesis and the suite, again; dropped here, the first
+    process writes the caches (``__pycache__/``, which git ignores) and the others read them.
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # before the xdist workers and subprocesses start: they read it
+        torch.set_num_threads(1)  # this process's torch has started its threads already
+    if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        sys.dont_write_bytecode = False
+
+
+_cheap_processes()
 if not torch.accelerator.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":

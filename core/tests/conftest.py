@@ -1,4 +1,4 @@
-"""Fixtures that install real test plugins (see plugin_factory.py), and the distributions' wheels (distributions.py)."""
+"""Fixtures that install real test plugins (see plugin_factory.py), and the distributions' wheels and a torch venv (distributions.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from distributions import build_wheels
+from distributions import build_wheels, make_torch_venv
 from plugin_factory import write_plugin
 
 
@@ -36,10 +36,20 @@ def install_plugin(site: Path) -> Callable[..., str]:
     return install
 
 
+def _build_env() -> dict[str, str]:
+    """This environment less what would let a build or a venv see the checkout or change its choices."""
+    return {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("VLLM_PORT_")
+    }
+
+
 @pytest.fixture(scope="session")
 def distribution_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every distribution's wheel (source folder -> wheel), built once a session (see distributions.py)."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("VLLM_PORT_")
-    }
-    return build_wheels(tmp_path_factory.mktemp("wheels"), env)
+    return build_wheels(tmp_path_factory.mktemp("wheels"), _build_env())
+
+
+@pytest.fixture(scope="session")
+def torch_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv holding torch alone, made once a session, that the wheels' venvs see below them (see distributions.py)."""
+    return make_torch_venv(tmp_path_factory.mktemp("torch") / "venv", _build_env())

@@ -1,9 +1,11 @@
-"""The repository's distributions, and their wheels built as a user's pip builds them.
+"""The repository's distributions, their wheels built as a user's pip builds them, and venvs to install them in.
 
 ``test_wheels.py`` and ``test_declared_dependencies.py`` install the same wheels into fresh venvs:
 the ``distribution_wheels`` fixture (conftest.py) builds them once a session with
 :func:`build_wheels`, and both modules carry the ``xdist_group`` mark :data:`WHEELS_GROUP`, so
-under pytest-xdist (``--dist loadgroup``) they share one worker and one build.
+under pytest-xdist (``--dist loadgroup``) they share one worker and one build. Their venvs see
+torch in one venv below them (the ``torch_venv`` fixture, :func:`make_torch_venv`): torch is installed
+(13 CPU s) and its modules compiled once a session, not once a venv.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,3 +76,34 @@ def build_wheels(work: Path, env: dict[str, str]) -> dict[str, Path]:
     built = sorted(whl.name.split("-")[0] for whl in dist.glob("*.whl"))
     assert built == sorted(d.wheel_prefix for d in DISTRIBUTIONS.values()), f"pip wheel built {built}"
     return {source: next(dist.glob(f"{d.wheel_prefix}-*.whl")) for source, d in DISTRIBUTIONS.items()}
+
+
+def site_packages(venv: Path) -> Path:
+    """The site-packages folder of ``venv`` (made by this interpreter)."""
+    return venv / Path(sysconfig.get_path("purelib")).relative_to(sys.prefix)
+
+
+def make_venv(path: Path, env: dict[str, str], below: Sequence[Path] = ()) -> Path:
+    """A venv without pip (this interpreter's pip installs into it) that sees the packages of the venvs ``below``; its python.
+
+    ``below`` is read through a ``.pth`` file: pip finds what they hold installed, and installs the
+    rest of a requirement's dependencies into this venv.
+    """
+    argv = [sys.executable, "-m", "venv", "--without-pip", str(path)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"python -m venv exited {done.returncode}:\n{done.stderr[-3000:]}"
+    if below:
+        (site_packages(path) / "_below.pth").write_text("".join(f"{site_packages(venv)}\n" for venv in below))
+    return path / "bin" / "python"
+
+
+def make_torch_venv(path: Path, env: dict[str, str]) -> Path:
+    """A venv holding torch alone (the pin of dev/requirements.txt, with its dependencies), for other venvs to see.
+
+    ``--no-compile``: Python compiles what it imports (and caches it, once, for every venv above).
+    """
+    python = make_venv(path, env)
+    argv = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-compile", torch_pin()]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"pip install {torch_pin()} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    return path

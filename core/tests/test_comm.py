@@ -126,6 +126,7 @@ def _checks(ctx: DistContext) -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 def test_collectives_on_two_gloo_ranks():
     r0, r1 = run_ranks(_checks, CPU, 2, timeout_s=20)
     assert r0["ctx"] == (0, 2, "gloo", "cpu") and r1["ctx"][0] == 1

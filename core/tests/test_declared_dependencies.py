@@ -2,15 +2,15 @@
 
 Two checks. The first reads the sources: every import at a module's top level names the standard
 library, the distribution's own packages, or a distribution its ``pyproject.toml`` declares (a
-dependency or an extra). The second installs: one base venv gets torch (the pin of
-dev/requirements.txt, from the local wheel) and core's wheel with the dependencies pip resolves for
-it; each other distribution gets a venv of its own that sees the base's site-packages through a
-``.pth`` file (torch is installed once) and installs the distribution's wheel with its declared
-dependencies resolved by pip, never ``--no-deps``. In it every module of the distribution is
+dependency or an extra). The second installs: one base venv gets core's wheel with the dependencies
+pip resolves for it, torch (the pin of dev/requirements.txt) found installed in the session's torch
+venv below it (``torch_venv``, shared with test_wheels.py); each other distribution gets a venv of its
+own that sees the base's and the torch venv's site-packages through a ``.pth`` file (torch is
+installed once) and installs the distribution's wheel with its declared dependencies resolved by
+pip, never ``--no-deps``. In it every module of the distribution is
 imported, ``vllm-port doctor --json`` loads each plugin without an error, and a GPU plugin's
 ``vllm-port certify`` says "device absent" (exit 2) on a machine without its device, the suite
-installed after ``doctor`` ran (so its dependencies cannot hide a plugin's). About 2 minutes on 2
-cores, most of it torch and Triton unpacking.
+installed after ``doctor`` ran (so its dependencies cannot hide a plugin's).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
-from distributions import DISTRIBUTIONS, REPO, WHEELS_GROUP, torch_pin
+from distributions import DISTRIBUTIONS, REPO, WHEELS_GROUP, make_venv, torch_pin
 
 try:
     import tomllib
@@ -119,18 +118,6 @@ def _run(argv: list[str], tmp: Path, ok: tuple[int, ...] = (0,)) -> subprocess.C
     return done
 
 
-def _site_packages(venv: Path) -> Path:
-    return venv / Path(sysconfig.get_path("purelib")).relative_to(sys.prefix)
-
-
-def _venv(path: Path, below: Path | None = None) -> Path:
-    """A venv without pip (this interpreter's pip installs into it), seeing ``below``'s packages when given."""
-    _run([sys.executable, "-m", "venv", "--without-pip", str(path)], path.parent)
-    if below is not None:
-        (_site_packages(path) / "_below.pth").write_text(f"{_site_packages(below)}\n")
-    return path / "bin" / "python"
-
-
 def _pip_install(python: Path, *requirements: str) -> None:
     """Install with this interpreter's pip into ``python``'s venv, dependencies resolved by pip.
 
@@ -141,12 +128,14 @@ def _pip_install(python: Path, *requirements: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def base(distribution_wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every distribution's wheel, and the base venv: torch and core with the dependencies core declares."""
+def base(
+    distribution_wheels: dict[str, Path], torch_venv: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Every distribution's wheel, the torch venv, and the base venv above it: core with the dependencies core declares."""
     work = tmp_path_factory.mktemp("declared")
-    python = _venv(work / "base")
-    _pip_install(python, torch_pin(), str(distribution_wheels["core"]))
-    return {"work": work, "base": work / "base", **distribution_wheels}
+    python = make_venv(work / "base", _clean_env(work), below=[torch_venv])
+    _pip_install(python, torch_pin(), str(distribution_wheels["core"]))  # torch: found installed below
+    return {"work": work, "base": work / "base", "torch": torch_venv, **distribution_wheels}
 
 
 def _imports_every_module(python: Path, packages: list[str], tmp: Path, skip: list[str]) -> None:
@@ -167,7 +156,7 @@ def test_a_venv_of_its_declared_dependencies_loads_it(source: str, base: dict[st
     if source == "core":
         python = base["base"] / "bin" / "python"
     else:
-        python = _venv(tmp_path / "venv", below=base["base"])
+        python = make_venv(tmp_path / "venv", _clean_env(tmp_path), below=[base["base"], base["torch"]])
         _pip_install(python, str(base[source]))
     # core's own Triton kernels need its `triton` extra, which the CUDA plugin brings as a dependency
     skip = [m for m, extra in NEEDS_EXTRA.items() if not (extra == "triton" and source == "plugins/vllm-port-cuda")]

@@ -286,6 +286,7 @@ def test_a_probe_that_exits_is_recorded_not_obeyed(install_plugin):
     assert not record.available and "vllm_port_platform_probe raised SystemExit: 3" in record.error
 
 
+@pytest.mark.slow
 def test_load_with_a_hanging_probe_returns_and_the_process_exits(install_plugin):
     """The hung probe's thread is a daemon: it neither stalls ``load()`` nor keeps the process alive at exit
     (``doctor`` discovers through the same path)."""

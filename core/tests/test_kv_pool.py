@@ -220,3 +220,4 @@ def test_slot_mapping_and_sizes():
 
 
 TestPoolMachine = pool_machine(BlockPool, max_examples=200, steps=50)
+TestPoolMachine.pytestmark = [pytest.mark.slow]  # 200 examples of 50 steps: about 3.5 CPU s

@@ -106,6 +106,7 @@ def _scaled(value: Any, factor: float) -> Any:
     return value
 
 
+@pytest.mark.slow
 def test_profiling_twice_gives_the_same_node_list_the_flat_graph_and_the_lm_head(bundled, report):
     runtime, model = bundled
     again = profile_model(model, runtime, batch=2, context=32, phases=("decode",), repeats=2, min_run_time=0.02)
@@ -210,6 +211,7 @@ def test_bad_baseline_files_are_refused_with_exit_status_2(tmp_path: Path, capsy
         load_baseline(tmp_path / "old.json")
 
 
+@pytest.mark.slow
 def test_slowed_provider_is_named_as_the_regression_against_a_baseline(install_plugin, monkeypatch, tmp_path, capsys):
     install_plugin("slowops", SLOW_PLUGIN)
     base, now = tmp_path / "base.json", tmp_path / "now.json"

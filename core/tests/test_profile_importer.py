@@ -60,6 +60,7 @@ def _node_list(report: dict, phase: str) -> list[tuple]:
     ]
 
 
+@pytest.mark.slow
 def test_the_imported_model_is_profiled_node_by_node_with_contract_ops_and_native_nodes(profiles):
     report = profiles["imported"]
     assert report["importer"] == "hf" and report["model"]["architecture"] == "LlamaForCausalLM"

@@ -4,9 +4,9 @@ The wheels are built with pip as a user would (``pip wheel --no-deps``, build is
 declared build requirements are the ones used) from copies of the sources, so no ``build/`` left in
 the tree can leak stale files in: once a session for this module and test_declared_dependencies.py
 (``distribution_wheels``, see distributions.py). The venv is new and sees nothing of this checkout:
-pip resolves the wheels' declared dependencies (torch from the pin in dev/requirements.txt), and
-each command runs outside the repository. About 30 s, most of it installing torch (``--no-compile``:
-Python compiles what it imports).
+pip resolves the wheels' declared dependencies, and each command runs outside the repository. Torch
+(the pin in dev/requirements.txt) it finds installed in the session's torch venv below it
+(``torch_venv``), which test_declared_dependencies.py's venvs see too: installed once, not per venv.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from distributions import DISTRIBUTIONS, WHEELS_GROUP, torch_pin
+from distributions import DISTRIBUTIONS, WHEELS_GROUP, make_venv, torch_pin
 
 try:
     import tomllib
@@ -68,10 +68,10 @@ def test_each_wheel_carries_its_license_and_package_data(wheels: dict[str, Path]
 
 
 @pytest.mark.slow
-def test_wheels_install_into_a_clean_venv_and_run(wheels: dict[str, Path], tmp_path: Path) -> None:
+def test_wheels_install_into_a_clean_venv_and_run(wheels: dict[str, Path], torch_venv: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)  # this pip installs into it
-    python, cli = venv / "bin" / "python", str(venv / "bin" / "vllm-port")
+    python = make_venv(venv, _clean_env(), below=[torch_venv])  # this pip installs into it; torch is below
+    cli = str(venv / "bin" / "vllm-port")
     install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-compile"]
     _run([*install, torch_pin(), *map(str, wheels.values())], tmp_path)
 

@@ -244,7 +244,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def run_checks(ctx: DistContext, plugin: str, platform: str) -> dict[str, str | None]:
+def run_checks(
+    ctx: DistContext, plugin: str, platform: str, only: tuple[str, ...] | None = None
+) -> dict[str, str | None]:
+    """Every check of :data:`CHECK_NAMES` (``only``: those named there) on this rank; ``None`` or a message each."""
     runtime = vllm_port.load(plugins=plugin, device=platform)
     comm = runtime.communicator()
     r, w, dev = ctx.rank, ctx.world_size, ctx.device
@@ -334,6 +337,8 @@ def run_checks(ctx: DistContext, plugin: str, platform: str) -> dict[str, str | 
     if w < 2:
         for name in MULTI_RANK_CHECKS:
             del checks[name]
+    if only is not None:
+        checks = {name: fn for name, fn in checks.items() if name in only}
     results: dict[str, str | None] = {}
     for name, fn in checks.items():
         try:

@@ -13,38 +13,9 @@ own ``@hookimpl`` functions:
   device that torch drives through one module.
 
 A plugin module writes every hook it answers as a function of its own, so a reader (and grep) finds
-each one where the entry point names it::
-
-    from vllm_port import PlatformDescription, ProbeResult, hookimpl
-    from vllm_port.memory import Allocator
-    from vllm_port.plugin_kit import DeviceAllocator, device_context_created
-
-    from .platform import describe, probe
-
-
-    @hookimpl
-    def vllm_port_api_range() -> str:
-        return ">=1.0,<2"
-
-
-    @hookimpl
-    def vllm_port_platform_describe() -> PlatformDescription:
-        return describe()
-
-
-    @hookimpl
-    def vllm_port_platform_probe() -> ProbeResult:
-        return probe()
-
-
-    @hookimpl
-    def vllm_port_platform_context_created() -> bool:
-        return device_context_created("cuda")
-
-
-    @hookimpl
-    def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
-        return DeviceAllocator("mychip allocator", "cuda") if platform.name == "mychip" else None
+each one where the entry point names it: ``plugins/vllm-port-xpu/src/vllm_port_xpu/plugin.py`` is
+one to read (its allocator a :class:`DeviceAllocator`, its context check
+:func:`device_context_created`), and ``vllm-port new-plugin`` writes the same shape.
 """
 
 from __future__ import annotations

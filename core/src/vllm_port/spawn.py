@@ -22,7 +22,7 @@ from .comm import init_from_env
 from .errors import CommError
 from .platform import PlatformDescription
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "set_rank_environment"]
 
 
 def free_port() -> int:
@@ -30,6 +30,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def set_rank_environment(rank: int, world_size: int, port: int) -> None:
+    """Name this process rank ``rank`` of ``world_size`` on this host, its group met at localhost ``port``.
+
+    The variables :func:`vllm_port.comm.init_from_env` reads (``RANK`` ... ``MASTER_PORT``), as a
+    launcher such as torchrun sets them; for the ranks that :func:`run_ranks` and the engine's
+    tensor-parallel workers spawn.
+    """
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def _worker(
@@ -43,14 +60,7 @@ def _worker(
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_environment(rank, world, port)
     try:
         ctx = init_from_env(desc, timeout_s, device_count)
         results.put((rank, True, fn(ctx, *args)))

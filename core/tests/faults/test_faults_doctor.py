@@ -21,6 +21,8 @@ MIX = {
     "linear": ("linear NaN", "got nan"),
     "fused_add_rms_norm": ("wrong in place", "residual:"),
 }
+#: every test here reads the module's one doctor run (``report``), about 3 CPU s: slow as a whole
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -187,6 +187,7 @@ def test_strict_mode_refuses_instead_of_warning(monkeypatch, caplog):
     assert not [r for r in caplog.records if "VLLM_PORT_DEVCE" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_the_warning_is_one_line_on_stderr_of_a_real_process(monkeypatch):
     monkeypatch.setenv("VLLM_PORT_DEVCE", "cpu")
     monkeypatch.setenv("VLLM_PORT_CPU_NATIV", "0")

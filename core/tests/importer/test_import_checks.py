@@ -28,6 +28,7 @@ from vllm_port.importer.report import render_import
 # --- the tracer: size guards ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_branch_on_the_token_count_is_refused_not_frozen_at_the_traced_count(cpu_runtime):
     model = build_tiny_model("llama")
     mlp = model.model.layers[1].mlp

@@ -126,6 +126,7 @@ def test_unrecognised_pieces_stay_native_and_still_match_transformers(cpu_runtim
     assert [n["kind"] for n in sigmoid] == ["native", "native"]
 
 
+@pytest.mark.slow
 def test_imported_model_runs_as_flat_graphs(cpu_runtime):
     model = build_tiny_model("llama")
     batch = prompts([10, 17], seed=2)

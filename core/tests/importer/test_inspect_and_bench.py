@@ -11,6 +11,7 @@ from vllm_port.bench import importer as bench
 from vllm_port.cli import main
 
 
+@pytest.mark.slow
 def test_inspect_import_lists_mapped_subgraphs_and_native_nodes(tmp_path, capsys):
     path = save_tiny_model("llama", tmp_path / "llama")
     assert main(["inspect", str(path), "--import", "--device", "cpu", "--phase", "decode", "--json"]) == 0
@@ -57,6 +58,7 @@ def test_the_benchmark_counts_the_leading_tokens_two_runs_agree_on():
     assert bench.leading_agreement([], []) == 0
 
 
+@pytest.mark.slow
 def test_the_benchmark_warms_each_model_up_with_every_prompt_of_the_batch(tmp_path, monkeypatch):
     calls = []
     real = bench.warm_up
@@ -67,6 +69,7 @@ def test_the_benchmark_warms_each_model_up_with_every_prompt_of_the_batch(tmp_pa
     assert calls == [(3, {"num_prompts": 3, "max_tokens": bench.WARM_UP_TOKENS})] * 2  # core, then imported
 
 
+@pytest.mark.slow
 def test_the_benchmark_reports_an_existing_checkpoints_shape(tmp_path):
     path = save_tiny_model("llama", tmp_path / "llama")
     result = bench.run(bench.TINY_WORKLOAD, [1], "cpu", "eager", model_dir=str(path))

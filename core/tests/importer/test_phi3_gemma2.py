@@ -143,6 +143,7 @@ def test_gemma2_maps_its_norms_mlp_and_capped_attention_and_keeps_the_rest_nativ
     assert logits.shape == (5, 512) and float(logits.abs().max()) <= 5.0
 
 
+@pytest.mark.slow
 def test_inspect_import_lists_gemma2s_soft_cap_as_native_nodes_after_the_lm_head(tmp_path, capsys):
     path = save_tiny_model("gemma2", tmp_path / "gemma2")
     assert main(["inspect", str(path), "--import", "--device", "cpu", "--phase", "decode"]) == 0

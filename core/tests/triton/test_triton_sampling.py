@@ -69,6 +69,7 @@ def test_samples_draw_the_reference_tokens(dtype):
         assert check_reference_draws(sampler(NATIVE), s.args) is None, s.label
 
 
+@pytest.mark.slow
 def test_real_vocabularies_draw_the_reference_tokens():
     # bf16 only when interpreted: 32000 to 151936 tokens take seconds a call there
     for dtype in (torch.bfloat16,) if INTERPRETED else DTYPES:

@@ -36,6 +36,7 @@ def script() -> ModuleType:
     del sys.modules[spec.name]
 
 
+@pytest.mark.slow
 def test_smoke_checks_every_row_against_sdpa_and_aligns_the_prefix_mask(script, tmp_path, monkeypatch, capsys) -> None:
     """The prefix case and a decode case (the rest of --smoke differs only in sizes), in this process."""
     prefix = next(c for c in script.SMOKE_CASES if isinstance(c, script.PrefillCase) and c.prefix)

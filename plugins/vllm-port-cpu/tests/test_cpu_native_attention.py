@@ -177,6 +177,7 @@ def fresh_state(monkeypatch, tmp_path):
     native._library_name.cache_clear()
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_builds_once_into_the_cache_directory_and_binds_above_the_torch_providers(fresh_state):
     private = fresh_state / native.PRIVATE_DIR

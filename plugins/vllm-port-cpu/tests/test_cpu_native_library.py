@@ -74,6 +74,7 @@ def _plant_with_its_hash(shared: Path, tmp: Path) -> Path:
     return marker
 
 
+@pytest.mark.slow
 @needs_cc
 def test_a_library_planted_in_a_world_writable_cache_directory_is_never_loaded(fresh, monkeypatch, caplog):
     shared = _shared_cache(fresh, monkeypatch)
@@ -90,6 +91,7 @@ def test_a_library_planted_in_a_world_writable_cache_directory_is_never_loaded(f
     assert not marker.exists(), "the planted library's constructor ran"
 
 
+@pytest.mark.slow
 @needs_cc
 def test_with_the_default_cache_directory_world_writable_a_new_temporary_directory_serves(fresh, monkeypatch):
     monkeypatch.delenv(native.CACHE_ENV, raising=False)
@@ -136,6 +138,7 @@ def test_a_cache_directory_of_another_user_is_refused(fresh, monkeypatch):
     assert ok and f"{fresh / 'theirs'} is owned by uid" in why and "not by this user" in why
 
 
+@pytest.mark.slow
 @needs_cc
 @pytest.mark.parametrize("record", ["a wrong hash", "no hash file"])
 def test_a_library_in_the_private_directory_that_differs_from_its_hash_is_rebuilt_not_loaded(
@@ -156,6 +159,7 @@ def test_a_library_in_the_private_directory_that_differs_from_its_hash_is_rebuil
     assert not marker.exists(), "the planted library's constructor ran"
 
 
+@pytest.mark.slow
 @needs_cc
 def test_doctor_names_the_library_it_loaded(fresh, monkeypatch):
     monkeypatch.setenv(native.CACHE_ENV, str(fresh / "cache"))

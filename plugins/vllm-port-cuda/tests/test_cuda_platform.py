@@ -42,6 +42,7 @@ def test_probe_on_cpu_torch_says_how_to_fix() -> None:
     assert result.devices == ()
 
 
+@pytest.mark.slow
 def test_probe_creates_no_cuda_context() -> None:
     # A fresh interpreter, so that nothing else in this test session can have initialised CUDA first.
     code = textwrap.dedent("""

@@ -90,6 +90,7 @@ def test_probe_on_cpu_torch_says_how_to_fix() -> None:
     )
 
 
+@pytest.mark.slow
 def test_probe_creates_no_device_context() -> None:
     code = textwrap.dedent("""
         import torch

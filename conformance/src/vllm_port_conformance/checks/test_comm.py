@@ -1,10 +1,10 @@
 """Comm contract: every collective and point-to-point call of the plugin's communicator, across ranks.
 
-The suite spawns the ranks itself (one spawn for every check, results sent back per check), on the
-platform's backend (gloo on CPU) with a short process-group timeout, so a broken call fails instead
-of hanging. Two ranks where there are two devices (ranks of the host CPU share it); a world of one
-on a one-device machine (or with ``--vllm-port-devices 1``), where the checks that need a peer are
-recorded as out of scope. The rank side lives in :mod:`vllm_port_conformance.comm_ranks`.
+The suite spawns the ranks itself (one spawn for the checks the run selected, results sent back per
+check), on the platform's backend (gloo on CPU) with a short process-group timeout, so a broken call
+fails instead of hanging. Two ranks where there are two devices (ranks of the host CPU share it); a
+world of one on a one-device machine (or with ``--vllm-port-devices 1``), where the checks that need
+a peer are recorded as out of scope. The rank side lives in :mod:`vllm_port_conformance.comm_ranks`.
 
 Every call is checked for every dtype the contract allows, over every message size class and on
 values of each dtype's whole width (int64 past 2^24, 2^31, 2^53; floats across their range), as
@@ -22,9 +22,18 @@ from vllm_port_conformance.recorder import DEVICES_OPTION, out_of_scope
 TIMEOUT_S = 30.0
 
 
+def _selected(session: pytest.Session) -> tuple[str, ...]:
+    """The checks of :func:`test_comm` this run holds: all of them, unless ``-k`` or ``--vllm-port-check`` chose some."""
+    return tuple(
+        item.callspec.params["check"]
+        for item in session.items
+        if isinstance(item, pytest.Function) and item.originalname == "test_comm" and item.module.__name__ == __name__
+    )
+
+
 @pytest.fixture(scope="module")
 def comm_results(plugin, request) -> tuple[int, list[dict[str, str | None]]]:
-    """``(world size, each rank's results)`` of one spawn of every check."""
+    """``(world size, each rank's results)`` of one spawn of every check the run selected."""
     plugin.require_device()
     desc, probe = plugin.record.description, plugin.record.probe
     try:
@@ -35,7 +44,7 @@ def comm_results(plugin, request) -> tuple[int, list[dict[str, str | None]]]:
         run_checks,
         desc,
         world,
-        args=(plugin.record.name, desc.name),
+        args=(plugin.record.name, desc.name, _selected(request.session)),
         timeout_s=TIMEOUT_S,
         deadline_s=3 * TIMEOUT_S,
         device_count=probe.device_count,

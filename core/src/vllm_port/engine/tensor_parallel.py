@@ -167,14 +167,9 @@ def _worker(
     outbox: Any,
 ) -> None:
     """One rank: join the group, load the shard, then run every step the engine sends until ``None``."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from ..spawn import set_rank_environment
+
+    set_rank_environment(rank, world_size, port)
     try:
         from ..runtime import load
         from .runner import ModelRunner
