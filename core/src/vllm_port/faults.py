@@ -59,6 +59,7 @@ SETTINGS: dict[str, str] = {
     "VLLM_PORT_CHECK_SEED": "the seed that picks which calls debug mode compares",
     "VLLM_PORT_VALIDATE": "1: op input checks read tensor values too (token ids, slots, block tables in range)",
     "VLLM_PORT_CHECK_WEIGHTS": "0: load weights without refusing tensors that hold NaN or Inf (default 1)",
+    "VLLM_PORT_CERTIFY_PROGRESS": "set by certify for its suite run: the file its recorder appends a line to per finished check",
     "VLLM_PORT_GIT_COMMIT": "the commit a certification report names, where the tree has no .git",
     "VLLM_PORT_PLUGIN_GIT_COMMIT": "the commit of a plugin certified from outside this repository",
     "VLLM_PORT_CORE": "tox: the vllm-port checkout a generated plugin installs",

@@ -58,7 +58,8 @@ def test_nan_at_run_time_finishes_the_request_with_an_error_naming_the_step(faul
     errors = assert_right_or_error(outputs, mode)
     assert errors, "the NaN never reached a token"
     for out in errors:
-        assert out.error.startswith(f"request {out.index}: engine step ")
+        position = next(i for i, o in enumerate(outputs) if o is out)  # the request's place in the generate call
+        assert out.error.startswith(f"request {position}: engine step ")
         assert "logits hold 4,096 NaN and 0 infinite value(s): no token can be drawn from them" in out.error
         assert "run with VLLM_PORT_CHECK=1 (debug mode)" in out.error
     assert llm.scheduler.pool.num_free == llm.scheduler.pool.num_blocks  # no block left behind

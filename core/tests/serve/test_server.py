@@ -288,6 +288,21 @@ def test_a_full_queue_is_a_503_with_retry_after_and_leaving_clients_free_their_b
     assert client.completions.create(model="bundled", prompt=PROMPT, max_tokens=2).choices  # room again
 
 
+def test_a_client_that_leaves_a_whole_answer_aborts_it(server) -> None:
+    """Not only streams: a client waiting for a whole (non-streamed) answer that goes away aborts it."""
+    before = _settled(server)
+    payload = {"model": "bundled", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(30, read=0.2)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=payload)  # leaves after 0.2 s, long before 480 tokens
+    after = _settled(server)
+    aborts = 'vllm_port:request_success_total{finished_reason="abort"}'
+    assert after[aborts] - before.get(aborts, 0) == 1
+    assert after["vllm_port:kv_cache_free_blocks"] == before["vllm_port:kv_cache_free_blocks"]
+    generated = after["vllm_port:generation_tokens_total"] - before.get("vllm_port:generation_tokens_total", 0)
+    assert generated < 480
+
+
 def test_metrics_are_prometheus_text_with_the_vllm_port_names(server, client) -> None:
     client.completions.create(model="bundled", prompt=PROMPT, max_tokens=4, temperature=0)
     m = _settled(server)

@@ -5,15 +5,18 @@ the :class:`~vllm_port.serve.async_engine.AsyncEngine` and answers its deltas, w
 server-sent events in OpenAI's chunk format ending with ``data: [DONE]``. Every error is an OpenAI
 error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or prompt
 (naming it), 404 for an unknown model, 503 with ``Retry-After`` when the waiting queue is full.
-A stream whose client goes away aborts its requests; their KV blocks go back to the pool at once.
+A client that goes away, streaming or waiting for the whole answer, aborts its requests; their KV
+blocks go back to the pool at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,14 +114,41 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], chat_template:
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        return await server.complete(body)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _unless_disconnected(request, server.complete(body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await server.chat(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _unless_disconnected(request, server.chat(body))
 
     return app
+
+
+async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """``answer``'s response, unless the client goes away first: then ``answer`` is cancelled, and its
+    cleanup (:meth:`RequestGroup.aclose`) aborts the engine's requests for it, freeing their blocks now.
+
+    A streamed answer returns at once (its response then watches the client itself); a whole one waits
+    for its last token, and without this a client that left would still be served to the end.
+    """
+    handler = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((handler, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not handler.done():
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+        return Response(status_code=499)  # nobody is left to read it (nginx's "client closed request")
+    return handler.result()
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has disconnected (the body is read already: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
