@@ -149,11 +149,15 @@ def sort_pairs_by_expert(
 
     Returns ``(pairs, block_expert, padded_total)``: ``pairs`` int64 of the most rows the padding can
     take (``num_pairs`` marks padding), ``block_expert`` the expert of each ``block_m`` rows, and a
-    one-element tensor of the rows in use. Torch ops on ``ids``' device, no host read.
+    one-element tensor of the rows in use. Torch ops on ``ids``' device, no host read (a count by
+    ``scatter_add_``: ``torch.bincount`` reads the largest id back to size its output), so a step that
+    calls it can be captured in a device graph.
     """
     flat = ids.flatten()
     num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
