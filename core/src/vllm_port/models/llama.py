@@ -279,13 +279,13 @@ class LlamaModel:
         c = self.config
         qkv = ops.linear(hidden, layer.qkv_weight, layer.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        if layer.q_norm is not None:  # Qwen3: each head RMS-normalised over its head_size features
+            q = ops.rms_norm(q.unflatten(-1, (c.num_heads, c.head_size)), layer.q_norm, c.rms_norm_eps).flatten(-2)
+            k = ops.rms_norm(k.unflatten(-1, (c.num_kv_heads, c.head_size)), layer.k_norm, c.rms_norm_eps).flatten(-2)
+        ops.rotary_embedding(positions, q, k, c.head_size, self.cos_sin_cache, True)  # HF rotates halves: NeoX
         q = q.unflatten(-1, (c.num_heads, c.head_size))  # views: [tokens, heads, head_size]
         k = k.unflatten(-1, (c.num_kv_heads, c.head_size))
         v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
-        if layer.q_norm is not None:  # Qwen3: each head RMS-normalised over its head_size features
-            q = ops.rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = ops.rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        ops.rotary_embedding(positions, q, k, c.head_size, self.cos_sin_cache, True)  # HF rotates halves: NeoX
         out = paged_attention_step(ops, q, k, v, kv_cache, meta, self.scale, c.sliding_window)
         return ops.linear(out.flatten(-2), layer.o_weight, layer.o_bias)
 
