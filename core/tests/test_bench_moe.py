@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vllm_port.cli import main
 
 
@@ -24,3 +26,19 @@ def test_a_cpu_smoke_run_writes_a_row_per_token_count(tmp_path, capsys) -> None:
     assert [(r["tokens"], r["impl"]) for r in rows] == [(1, "fused_moe"), (3, "fused_moe")]
     assert all(r["max_abs_error"] < 0.05 and r["us"] > 0 and r["gbs"] > 0 for r in rows)
     assert "fused_moe bound to cpu_fused_moe" in capsys.readouterr().out
+
+
+def test_the_sweep_relaunches_the_bound_triton_kernels_with_each_tile() -> None:
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from vllm_port.bench.moe import SWEEP_TILES, _sweep
+    from vllm_port.kernels.triton import INTERPRETER
+    from vllm_port.kernels.triton.moe import MoeKernels
+
+    bound = SimpleNamespace(providers={"fused_moe": SimpleNamespace(fn=MoeKernels(INTERPRETER).fused_moe)})
+    found = _sweep(bound)
+    assert len(found) == len(SWEEP_TILES)
+    assert {fn.__self__.target.moe_large for fn in found.values()} == set(SWEEP_TILES)
+    cpu = SimpleNamespace(providers={"fused_moe": SimpleNamespace(fn=lambda *a: None)})
+    assert _sweep(cpu) == {}

@@ -236,6 +236,7 @@ def _moe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=MOE_SHAPES, help="the layer's model")
     parser.add_argument("--tokens", default="1,8,64,4096,8192", help="comma-separated token counts")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--sweep", action="store_true", help="also time the Triton kernels with other tiles")
     add_json_file_flag(parser, "write the results to this JSON file")
 
 
@@ -243,7 +244,7 @@ def _run_moe(args: argparse.Namespace) -> int:
     from . import moe
 
     tokens = [int(t) for t in args.tokens.split(",")]
-    return moe.main(args.device, args.shape, tokens, args.dtype, args.json)
+    return moe.main(args.device, args.shape, tokens, args.dtype, args.json, sweep=args.sweep)
 
 
 KINDS: dict[str, BenchKind] = {

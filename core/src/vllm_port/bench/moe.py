@@ -17,10 +17,13 @@ Each time is the median of calls with the caches flushed before each (as triton'
 (the experts some token chose, each read once: the decode floor) against the device's copy
 bandwidth, and TFLOP/s of the routed products (``2 x tokens x top_k x 3 x intermediate x hidden``).
 Each implementation's output is compared with the float32 reference first (max abs error printed).
+``--sweep`` adds a row per candidate of :data:`SWEEP_TILES` where ``fused_moe`` is bound to the Triton
+kernels (the same kernels launched with other tiles: what to put in the plugin's ``TritonTarget``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -30,10 +33,11 @@ import torch.nn.functional as F
 
 import vllm_port
 
+from ..kernels.triton_target import MoeTiles
 from ..ops.moe import fused_moe_reference, route
 from ._timing import cold_median_ms, copy_bandwidth_gbs, load_average
 
-__all__ = ["SHAPES", "main"]
+__all__ = ["SHAPES", "SWEEP_TILES", "main"]
 
 #: name -> (hidden, intermediate, experts, top_k, renormalize)
 SHAPES: dict[str, tuple[int, int, int, int, bool]] = {
@@ -42,6 +46,32 @@ SHAPES: dict[str, tuple[int, int, int, int, bool]] = {
     "deepseek-v2-lite": (2048, 1408, 64, 6, False),
     "tiny": (64, 32, 8, 2, True),  # a CPU smoke run
 }
+
+
+#: Tiles ``--sweep`` tries (block_m, block_n, block_k, warps, stages): narrow ones for decode, wide for prefill.
+SWEEP_TILES = (
+    MoeTiles(16, 32, 128, 4, 4),
+    MoeTiles(16, 64, 128, 4, 4),
+    MoeTiles(16, 32, 256, 4, 3),
+    MoeTiles(32, 64, 64, 4, 3),
+    MoeTiles(64, 128, 64, 4, 3),
+    MoeTiles(64, 128, 64, 8, 4),
+    MoeTiles(128, 128, 64, 8, 3),
+    MoeTiles(128, 256, 64, 8, 3),
+)
+
+
+def _sweep(ops: Any) -> dict[str, Callable[..., Any]]:
+    """``fused_moe`` of the bound Triton kernels launched with each of :data:`SWEEP_TILES` (none if not Triton)."""
+    kernels = getattr(ops.providers["fused_moe"].fn, "__self__", None)
+    target = getattr(kernels, "target", None)
+    if target is None or not hasattr(target, "moe_small"):
+        return {}
+    found = {}
+    for t in SWEEP_TILES:
+        tiled = dataclasses.replace(target, moe_small=t, moe_large=t)
+        found[f"tiles {t.block_m}x{t.block_n}x{t.block_k} w{t.warps} s{t.stages}"] = type(kernels)(tiled).fused_moe
+    return found
 
 
 def _grouped_mm_layer(x, logits, w13, w2, top_k, renormalize) -> torch.Tensor:
@@ -69,7 +99,13 @@ def _captured(fn: Callable[[], Any], runtime: Any) -> Callable[[], Any] | None:
 
 
 def main(
-    device: str | None, shape: str, tokens: list[int], dtype_name: str, json_path: str | None, seed: int = 0
+    device: str | None,
+    shape: str,
+    tokens: list[int],
+    dtype_name: str,
+    json_path: str | None,
+    seed: int = 0,
+    sweep: bool = False,
 ) -> int:
     """Run the benchmark; print one row per (tokens, implementation) and write ``json_path``; exit status 0."""
     runtime = vllm_port.load(device=device)
@@ -100,7 +136,9 @@ def main(
         }
         if hasattr(torch, "_grouped_mm") and dev.type == "cuda":
             impls["grouped_mm"] = lambda x=x, lg=logits: _grouped_mm_layer(x, lg, w13, w2, top_k, renorm)
-        for name in list(impls):
+        for name, fn in (_sweep(ops) if sweep else {}).items():
+            impls[name] = lambda x=x, lg=logits, fn=fn: fn(x, lg, w13, w2, top_k, "softmax", renorm)
+        for name in [n for n in impls if not n.startswith("tiles")]:
             try:
                 graph = _captured(impls[name], runtime)
             except Exception as exc:  # a kernel that cannot be captured is reported, not fatal
@@ -117,14 +155,14 @@ def main(
                 ms = cold_median_ms(fn, dev, repeat=25 if n <= 64 else 10)
             except Exception as exc:  # a peer that cannot run here (no grouped GEMM on this device) is reported
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                print(f"{n:>6} {name:<24} error: {row['error']}")
+                print(f"{n:>6} {name:<28} error: {row['error']}")
                 result["rows"].append(row)
                 continue
             row.update(us=ms * 1e3, gbs=nbytes / ms / 1e6, tflops=flops / ms / 1e9)
             row["copy_fraction"] = row["gbs"] / copy
             result["rows"].append(row)
             error = f"  max|err| {row['max_abs_error']:.3g}" if "max_abs_error" in row else ""
-            print(f"{n:>6} {name:<24} {row['us']:>10.1f} us  {row['gbs']:>7.0f} GB/s ({row['copy_fraction']:>4.0%} of "
+            print(f"{n:>6} {name:<28} {row['us']:>10.1f} us  {row['gbs']:>7.0f} GB/s ({row['copy_fraction']:>4.0%} of "
                   f"copy, {active} experts)  {row['tflops']:>6.1f} TFLOP/s{error}", flush=True)  # fmt: skip
         if json_path:
             with open(json_path, "w", encoding="utf-8") as f:

@@ -116,7 +116,7 @@ class TritonTarget:
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
-    moe_small: MoeTiles = MoeTiles(16, 64, 128, 4, 4)
+    moe_small: MoeTiles = MoeTiles(16, 32, 128, 4, 4)
     moe_large: MoeTiles = MoeTiles(64, 128, 64, 4, 3)
     moe_small_tokens: int = 64
 

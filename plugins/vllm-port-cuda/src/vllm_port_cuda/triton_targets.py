@@ -27,9 +27,10 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 #: 1,173 for 128 x 128 tiles over 8 warps one head at a time); decode streams 64-key tiles over 4 warps, 2 stages
 #: deep, splits each sequence's keys until about 8 programs per SM run, each split at least 8 tiles (1 x 32k:
 #: 64 splits). ``fused_moe`` (chosen from first principles until ``vllm-port bench moe`` measures them on an
-#: H200): up to 64 tokens, 16 pair rows by 64 columns with 128 bfloat16 of a weight row per step (a 16-byte
-#: vector per thread, 4 stages in flight: decode streams each active expert's weights once); above, 64 x 128
-#: tiles stepping 64 deep over 4 warps, 3 stages (the grouped GEMM of prefill).
+#: H200): up to 64 tokens, 16 pair rows by 32 columns with 128 bfloat16 of a weight row per step (4 stages in
+#: flight; narrow columns give one token's 8 experts of Qwen3-30B-A3B 192 gate/up programs, more than the 132
+#: SMs, each streaming its expert's weight rows once); above, 64 x 128 tiles stepping 64 deep over 4 warps,
+#: 3 stages (the grouped GEMM of prefill).
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -46,7 +47,7 @@ CUDA = TritonTarget(
     prefill_tma=True,
     prefill_order="all_heads",
     linear_max_rows=0,
-    moe_small=MoeTiles(16, 64, 128, 4, 4),
+    moe_small=MoeTiles(16, 32, 128, 4, 4),
     moe_large=MoeTiles(64, 128, 64, 4, 3),
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
