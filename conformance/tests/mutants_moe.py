@@ -109,9 +109,7 @@ def vllm_port_providers():
 def _refused(name: str, bug: str, case: str, *says: str) -> Mutant:
     """A mutant refused by ``fused_moe``'s check against the reference, on ``case`` (float32)."""
     check = f"test_ops::test_provider_matches_reference[fused_moe-{name}-float32]"
-    return Mutant(
-        name, bug, "routing" if "rout" in bug or "tie" in bug else "experts", check, (f"case {case!r}", *says)
-    )
+    return Mutant(name, bug, bug.split(":")[0], check, (f"case {case!r}", *says))  # class: "routing" or "experts"
 
 
 GROUPS = [
