@@ -86,3 +86,25 @@ def test_inspect_shows_fused_moe_as_a_contract_node(family_dirs, capsys):
     assert code == 0, captured.err
     text = captured.out
     assert '"fused_moe"' in text and "cpu_fused_moe" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, True], ids=["flat", "compiled"])
+def test_the_flat_and_compiled_graphs_run_fused_moe_as_eager_does(family_dirs, cpu_runtime, compile):
+    """What a GPU platform runs by default (flat graphs, fused kernels) and under the torch.compile backend."""
+    from vllm_port.engine.runner import flat_step
+    from vllm_port.flat import FlatModel
+
+    model_dir = family_dirs["qwen3_moe"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batch = prompts([6, 11], seed=4)
+    want = [o.outputs[0].token_ids for o in make_llm(model_dir, cpu_runtime).generate(batch, params)]
+
+    def step(runner):
+        flat = FlatModel(
+            runner.model, runner.runtime, runner.model.dtype, compile=compile, block_size=runner.block_size
+        )
+        return flat_step(flat)
+
+    llm = make_llm(model_dir, cpu_runtime, make_step=step)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want
