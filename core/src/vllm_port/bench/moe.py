@@ -57,7 +57,7 @@ SWEEP_TILES = (
     MoeTiles(64, 128, 64, 4, 3),
     MoeTiles(64, 128, 64, 8, 4),
     MoeTiles(128, 128, 64, 8, 3),
-    MoeTiles(128, 256, 64, 8, 3),
+    MoeTiles(128, 256, 64, 8, 2),
 )
 
 

@@ -30,7 +30,7 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 #: H200): up to 64 tokens, 16 pair rows by 32 columns with 128 bfloat16 of a weight row per step (4 stages in
 #: flight; narrow columns give one token's 8 experts of Qwen3-30B-A3B 192 gate/up programs, more than the 132
 #: SMs, each streaming its expert's weight rows once); above, 64 x 128 tiles stepping 64 deep over 4 warps,
-#: 3 stages (the grouped GEMM of prefill).
+#: 3 stages (the grouped GEMM of prefill): 80 and 120 KiB of shared memory in bfloat16.
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -52,11 +52,19 @@ CUDA = TritonTarget(
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
 #: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:
-#: Q 32 KiB + 3 x 32 KiB of K/V for bf16 x 128), gathering K/V rows with cp.async.
-CUDA_AMPERE = TritonTarget("cuda-ampere", elementwise_block=2048, linear_max_rows=0)
+#: Q 32 KiB + 3 x 32 KiB of K/V for bf16 x 128), gathering K/V rows with cp.async;
+#: ``fused_moe`` with Hopper's tiles (up to 120 KiB of its 163).
+CUDA_AMPERE = TritonTarget(
+    "cuda-ampere",
+    elementwise_block=2048,
+    linear_max_rows=0,
+    moe_small=MoeTiles(16, 32, 128, 4, 4),
+    moe_large=MoeTiles(64, 128, 64, 4, 3),
+)
 #: NVIDIA parts with at most 99 KiB of shared memory a block (sm_86, sm_89, sm_120: consumer Ampere, Ada,
 #: consumer Blackwell): 64 x 64 prefill tiles over 4 warps, 2 stages (16 + 2 x 32 KiB for bf16 x 128). ``target_for``
-#: drops to one stage where even that does not fit (Turing's 64 KiB).
+#: drops to one stage where even that does not fit (Turing's 64 KiB). ``fused_moe`` keeps the default tiles (two
+#: stages of 20 and 24 KiB).
 CUDA_COMPACT = TritonTarget(
     "cuda-compact",
     elementwise_block=2048,
