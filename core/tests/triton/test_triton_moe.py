@@ -96,3 +96,20 @@ def test_pairs_are_sorted_by_expert_and_padded_per_block():
         experts = {int(flat[p]) for p in rows if p < flat.numel()}
         assert experts == {int(block_expert[block])}  # one expert a block
     assert (pairs[used:] == flat.numel()).all()  # what follows is padding
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_one_program_sort_of_a_decode_step_equals_the_torch_one(monkeypatch, block_m):
+    """Ids as ``route`` returns them: the first columns of a sort's indices (strided; top-1 flattens to a view)."""
+    from vllm_port.kernels.triton import moe
+
+    gen = torch.Generator().manual_seed(block_m)
+    for experts, tokens, top_k in [(1, 5, 1), (16, 11, 1), (8, 1, 2), (128, 16, 8), (64, 3, 6), (200, 9, 4)]:
+        ids = torch.stack([torch.randperm(experts, generator=gen) for _ in range(tokens)]).to(DEVICE)[:, :top_k]
+        one = moe.sort_pairs_by_expert(ids, experts, block_m)
+        monkeypatch.setattr(moe, "_ALIGN_SMALL_PAIRS", 0)  # the torch ops
+        many = moe.sort_pairs_by_expert(ids, experts, block_m)
+        monkeypatch.undo()
+        used = int(many[2])
+        assert int(one[2]) == used and torch.equal(one[0], many[0])
+        assert torch.equal(one[1][: used // block_m], many[1][: used // block_m])

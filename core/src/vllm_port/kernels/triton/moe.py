@@ -142,6 +142,42 @@ def _down_kernel(
     tl.store(out_ptr + pair[:, None] * out_stride_p + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _align_small_kernel(
+    ids_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_experts, rows, num_blocks,
+    P: tl.constexpr, E: tl.constexpr, R: tl.constexpr, B: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """:func:`sort_pairs_by_expert` in one program, for a decode step's few pairs (one launch, not twenty).
+
+    ``P``, ``E``, ``R``, ``B``: powers of two at least the pairs, experts, padded rows and blocks. Pair ``i``
+    goes to its expert's padded start plus the number of earlier pairs of that expert (a stable order).
+    ``ids_ptr``: the pairs' experts, contiguous.
+    """
+    i = tl.arange(0, P)
+    valid = i < num_pairs
+    ids = tl.load(ids_ptr + i, mask=valid, other=-1)  # -1: no expert
+    onehot = (ids[:, None] == tl.arange(0, E)[None, :]).to(tl.int32)  # [P, E]
+    counts = tl.sum(onehot, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    earlier = tl.cumsum(onehot, axis=0) - onehot  # pairs before i of each expert
+    rank = tl.sum(earlier * onehot, axis=1)
+    start = tl.sum((end - padded)[None, :] * onehot, axis=1)
+    r = tl.arange(0, R)
+    tl.store(pairs_ptr + r, tl.full((R,), 0, tl.int64) + num_pairs, mask=r < rows)
+    tl.debug_barrier()  # the padding first, then the pairs over it
+    tl.store(pairs_ptr + start + rank, i.to(tl.int64), mask=valid)
+    b = tl.arange(0, B)
+    first_row = (b * BLOCK_M)[:, None]
+    experts_before = tl.sum((end[None, :] <= first_row).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + b, tl.minimum(experts_before, num_experts - 1).to(tl.int64), mask=b < num_blocks)
+    tl.store(total_ptr, tl.sum(padded, axis=0).to(tl.int64))
+
+
+#: The most pairs (tokens x top_k) and experts :func:`_align_small_kernel` sorts in one program.
+_ALIGN_SMALL_PAIRS, _ALIGN_SMALL_EXPERTS = 128, 256
+
+
 def sort_pairs_by_expert(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,19 +185,21 @@ def sort_pairs_by_expert(
 
     Returns ``(pairs, block_expert, padded_total)``: ``pairs`` int64 of the most rows the padding can
     take (``num_pairs`` marks padding), ``block_expert`` the expert of each ``block_m`` rows, and a
-    one-element tensor of the rows in use. Torch ops on ``ids``' device, no host read (a count by
-    ``scatter_add_``: ``torch.bincount`` reads the largest id back to size its output), so a step that
-    calls it can be captured in a device graph.
+    one-element tensor of the rows in use. No host read (a count by ``scatter_add_``: ``torch.bincount``
+    reads the largest id back to size its output), so a step that calls it can be captured in a device
+    graph. Up to 128 pairs (decode) it is one Triton program (:func:`_align_small_kernel`), else torch ops.
     """
     flat = ids.flatten()
     num_pairs = flat.numel()
+    rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    rows = triton.cdiv(rows, block_m) * block_m
+    if 0 < num_pairs <= _ALIGN_SMALL_PAIRS and num_experts <= _ALIGN_SMALL_EXPERTS:
+        return _align_small(flat.contiguous(), num_experts, block_m, rows)  # top-1 ids: a strided view
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    rows = triton.cdiv(rows, block_m) * block_m
     order = flat.argsort(stable=True)
     experts = flat[order]
     first = counts.cumsum(0) - counts  # each expert's first place in the unpadded order
@@ -171,6 +209,24 @@ def sort_pairs_by_expert(
     starts = torch.arange(0, rows, block_m, device=flat.device)
     block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
     return pairs, block_expert, padded_end[-1:]
+
+
+def _align_small(
+    flat: torch.Tensor, num_experts: int, block_m: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    blocks = rows // block_m
+    pairs = torch.empty(rows, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int64, device=flat.device)
+    total = torch.empty(1, dtype=torch.int64, device=flat.device)
+
+    def p2(n: int) -> int:  # a power of two, at least 16 (a comfortable block for every backend)
+        return max(16, triton.next_power_of_2(n))
+
+    _align_small_kernel[(1,)](
+        flat, pairs, block_expert, total, flat.numel(), num_experts, rows, blocks,
+        P=p2(flat.numel()), E=p2(num_experts), R=p2(rows), B=p2(blocks), BLOCK_M=block_m, num_warps=4,
+    )  # fmt: skip
+    return pairs, block_expert, total
 
 
 class MoeKernels:
