@@ -224,7 +224,7 @@ def _align_small(
 
     _align_small_kernel[(1,)](
         flat, pairs, block_expert, total, flat.numel(), num_experts, rows, blocks,
-        P=p2(flat.numel()), E=p2(num_experts), R=p2(rows), B=p2(blocks), BLOCK_M=block_m, num_warps=4,
+        P=p2(flat.numel()), E=p2(num_experts), R=p2(rows), B=p2(blocks), BLOCK_M=block_m, num_warps=8,
     )  # fmt: skip
     return pairs, block_expert, total
 
