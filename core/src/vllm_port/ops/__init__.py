@@ -21,6 +21,7 @@ from .checks import (
     INPUT_CHECKS,
     check_embedding,
     check_fused_add_rms_norm,
+    check_fused_moe,
     check_gelu_and_mul,
     check_linear,
     check_paged_attention,
@@ -35,12 +36,13 @@ from .checks import (
 )
 from .linear import embedding, linear
 from .logits import process_logits, top_logprobs
+from .moe import fused_moe
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import make_cos_sin_cache, rotary_embedding
 from .sampling import sample
 
-#: Every op of the contract, in the order a Llama forward pass meets them (logits processed, a token drawn,
-#: its logprobs).
+#: Every op of the contract, in the order a Llama forward pass meets them (a MoE layer's experts in place of
+#: the MLP; logits processed, a token drawn, its logprobs).
 ALL_OPS: tuple[Op, ...] = (
     embedding,
     rms_norm,
@@ -52,6 +54,7 @@ ALL_OPS: tuple[Op, ...] = (
     paged_attention,
     silu_and_mul,
     gelu_and_mul,
+    fused_moe,
     process_logits,
     sample,
     top_logprobs,
@@ -74,6 +77,7 @@ __all__ = [
     "Variants",
     "check_embedding",
     "check_fused_add_rms_norm",
+    "check_fused_moe",
     "check_gelu_and_mul",
     "check_linear",
     "check_paged_attention",
@@ -87,6 +91,7 @@ __all__ = [
     "check_top_logprobs",
     "embedding",
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_and_mul",
     "linear",
     "make_cos_sin_cache",

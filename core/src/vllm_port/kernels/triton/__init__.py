@@ -13,12 +13,13 @@ Importing this package imports ``triton``.
 from __future__ import annotations
 
 from ...ops import FLOAT_DTYPES, Provider
-from ..triton_target import INTERPRETER, LinearTiles, TritonTarget
+from ..triton_target import INTERPRETER, LinearTiles, MoeTiles, TritonTarget
 from .swap import swap_blocks
 
 __all__ = [
     "INTERPRETER",
     "LinearTiles",
+    "MoeTiles",
     "TritonTarget",
     "kernel_classes",
     "providers",
@@ -33,6 +34,7 @@ def kernel_classes() -> list[type]:
     from .cache import CacheKernels
     from .linear import LinearKernels
     from .logits import LogitsKernels
+    from .moe import MoeKernels
     from .norm import NormKernels
     from .rotary import RotaryKernels
     from .sampling import SamplingKernels
@@ -46,6 +48,7 @@ def kernel_classes() -> list[type]:
         SamplingKernels,
         LogitsKernels,
         LinearKernels,
+        MoeKernels,
     ]
 
 
