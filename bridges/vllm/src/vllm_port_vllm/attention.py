@@ -60,7 +60,7 @@ class VllmPortAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "VLLM_PORT"
+        return "CUSTOM"  # vLLM's name for a third-party backend; the bridge registers itself under it too
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -228,7 +228,7 @@ def register_attention() -> list[str]:
 
     path = f"{__name__}.VllmPortAttentionBackend"
     replaced = []
-    for name in ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN", "FLASHINFER"):
+    for name in ("CUSTOM", "CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN", "FLASHINFER"):
         member = getattr(AttentionBackendEnum, name, None)
         if member is not None:
             register_backend(member, path)
