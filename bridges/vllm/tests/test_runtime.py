@@ -75,3 +75,10 @@ def test_a_kernel_that_fails_its_smoke_check_stops_the_bridge_by_name(
     b.runtime.registry.register(wrong, plugin="cpu", platform="cpu")
     with pytest.raises(BridgeError, match=r"(?s)plugin 'cpu' cannot serve torch.float32 in vLLM: .*wrong_silu_and_mul"):
         b.kernels(torch.float32)
+
+
+def test_the_platform_plugin_leaves_a_device_vllm_knows_to_vllm(certified: Path) -> None:
+    from vllm_port_vllm import platform
+
+    assert runtime.bridge().runtime.platform.device_type == "cpu"
+    assert platform.activate() is None  # vLLM's CPU platform stays; the general plugin swaps the kernels

@@ -1,9 +1,8 @@
 """vLLM's own ``LLM`` with the bridge, against vLLM alone (runs where vLLM's venv is: ``dev/setup-vllm-peer``).
 
 CI cannot install vLLM, so these skip unless ``$VLLM_PEER_VENV`` (default ``/work/vllm-peer``) holds
-a vLLM. They never change that venv: a session fixture makes a venv over it (its site-packages
-through a ``.pth`` file) with this checkout's core, CPU plugin, suite and bridge installed editable,
-and every vLLM process runs in there, on a tiny Llama 3.1 built with ``transformers`` (``llama3``
+a vLLM. They never change that venv: a session fixture makes a venv over it and this checkout's
+``.venv`` (``dev/vllm-bridge-venv``), and every vLLM process runs in there, on a tiny Llama 3.1 built with ``transformers`` (``llama3``
 rope scaling, GQA: 4 heads of 32 over 2 KV heads, 2 layers), in float32 so that the tolerances
 are those of float32 kernels.
 """
@@ -33,17 +32,9 @@ pytestmark = [
 
 @pytest.fixture(scope="session")
 def bridge_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv over vLLM's with this checkout's packages installed editable (vLLM's venv left as it is)."""
-    venv = tmp_path_factory.mktemp("bridge-venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    (site,) = (PEER / "lib").glob("python3*/site-packages")
-    (mine,) = (venv / "lib").glob("python3*/site-packages")
-    (mine / "zz_vllm_peer.pth").write_text(f"{site}\n")
-    packages = ["core", "plugins/vllm-port-cpu", "conformance", "bridges/vllm"]
-    cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
-    for p in packages:
-        cmd += ["-e", str(REPO / p)]
-    subprocess.run(cmd, check=True, timeout=600)
+    """``dev/vllm-bridge-venv``: a venv over vLLM's that sees this checkout's packages (vLLM's venv left as it is)."""
+    venv = tmp_path_factory.mktemp("bridge-venv") / "venv"
+    subprocess.run([str(REPO / "dev" / "vllm-bridge-venv"), str(venv)], check=True, timeout=600, cwd=REPO)
     return venv / "bin" / "python"
 
 
