@@ -125,6 +125,7 @@ def main() -> int:
                     )
                 runs.append(run)
             result["models"][name] = runs
+    Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")  # before rendering: the data is kept
     text = render(result)
     Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
     Path(f"{args.out}.md").write_text(text)
