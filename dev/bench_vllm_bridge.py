@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -44,13 +45,17 @@ def run_peer(python: str, model: Path, prompts: Path, output_len: int, bridged: 
     else:
         env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin: vLLM alone
     cmd = [python, str(PEER_SCRIPT), "--model", str(model), "--prompts", str(prompts), "--output-len", str(output_len)]
-    load = os.getloadavg()
+    load, before = os.getloadavg(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)  # noqa: S603 - our peer script
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {(done.stderr or done.stdout)[-3000:]}")
     result = json.loads(lines[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result["load_before"], result["load_after"] = load, os.getloadavg()
+    # CPU seconds of the whole vLLM process tree (its engine core is a child the peer script waits for):
+    # on a shared machine they move far less with the load than wall time does; startup included
+    result["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return result
 
 
@@ -63,8 +68,8 @@ def render(result: dict[str, Any]) -> str:
         "over the whole greedy `generate`, TTFT = wall time of the batch with one output token; load "
         "average (1 min) before each run.",
         "",
-        "| model | run | vLLM alone tok/s | bridge tok/s | ratio | alone TTFT s | bridge TTFT s | load before (alone, bridge) | first ids equal |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | run | vLLM alone tok/s | bridge tok/s | ratio | alone TTFT s | bridge TTFT s | CPU s (alone, bridge) | load before (alone, bridge) | first ids equal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, runs in result["models"].items():
         for i, r in enumerate(runs):
@@ -72,6 +77,7 @@ def render(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {i + 1} | {a['output_tok_s']:.1f} | {b['output_tok_s']:.1f} | "
                 f"{b['output_tok_s'] / a['output_tok_s']:.3f} | {a['ttft_batch_s']:.2f} | {b['ttft_batch_s']:.2f} | "
+                f"{a.get('cpu_s', float('nan')):.0f}, {b.get('cpu_s', float('nan')):.0f} | "
                 f"{a['load_before'][0]:.2f}, {b['load_before'][0]:.2f} | {a['token_ids_head'] == b['token_ids_head']} |"
             )
         ratios = [r["bridge"]["output_tok_s"] / r["alone"]["output_tok_s"] for r in runs]
