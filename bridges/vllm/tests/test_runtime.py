@@ -82,3 +82,15 @@ def test_the_platform_plugin_leaves_a_device_vllm_knows_to_vllm(certified: Path)
 
     assert runtime.bridge().runtime.platform.device_type == "cpu"
     assert platform.activate() is None  # vLLM's CPU platform stays; the general plugin swaps the kernels
+
+
+def test_a_failing_provider_of_an_op_vllm_runs_itself_does_not_stop_the_bridge(certified: Path) -> None:
+    b = runtime.bridge()
+
+    def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+        raise RuntimeError("broken")
+
+    broken = provider("top_logprobs", name="broken_top_logprobs", priority=99)(top_logprobs)
+    b.runtime.registry.register(broken, plugin="cpu", platform="cpu")
+    kernels = b.kernels(torch.float32)  # vLLM samples with its own sampler: not the bridge's to check or refuse
+    assert {kernels.providers[op].plugin for op in runtime.BRIDGED_OPS} == {"cpu"}

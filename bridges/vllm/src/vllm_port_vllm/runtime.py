@@ -2,9 +2,9 @@
 
 Discovery and selection are this project's own (``VLLM_PORT_PLUGINS``, ``VLLM_PORT_DEVICE``
 apply), in strict mode: a plugin that fails to load or a provider refused at registration stops
-the bridge. The selected plugin must be certified (:mod:`vllm_port_vllm.certificate`). Binding
-smoke-checks every candidate and is strict too, so a bridged op is served by the provider the
-certificate covers or vLLM does not start; where the platform has no provider of an op the bridge
+the bridge. The selected plugin must be certified (:mod:`vllm_port_vllm.certificate`). The provider
+bound to each bridged op is smoke-checked against the float64 reference, and one that fails stops the bridge, so a
+bridged op is served by the provider the certificate covers or vLLM does not start; where the platform has no provider of an op the bridge
 routes, the reference would serve it: that is refused as well, naming the op.
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from vllm_port.errors import VllmPortError
 from vllm_port.ops import REFERENCE, BoundOps
+from vllm_port.ops.debug import smoke_check
 from vllm_port.runtime import Runtime
 
 from .certificate import check_certificate
@@ -74,10 +75,26 @@ class Bridge:
         return bound
 
     def _bind(self, dtype: torch.dtype) -> BoundOps:
+        # Smoke-checked and refused here for the ops the bridge routes only: vLLM runs its own sampler,
+        # embedding and linear layers, so a plugin's trouble with those is not the bridge's to refuse.
         try:
-            bound = self.runtime.bind(dtype, verify=True, strict=True)
+            bound = self.runtime.bind(dtype, strict=False)
         except VllmPortError as exc:
             raise BridgeError(f"vllm-port bridge: plugin {self.plugin!r} cannot serve {dtype} in vLLM: {exc}") from exc
+        failed = []
+        for name in BRIDGED_OPS:
+            chosen = bound.providers[name]
+            raw = next(  # the registered provider, not the VLLM_PORT_STATS counter around it: checks are not calls
+                p for p in self.runtime.registry.candidates(name) if (p.name, p.plugin) == (chosen.name, chosen.plugin)
+            )
+            problem = smoke_check(self.runtime.registry.ops[name], raw, dtype, self.runtime.device)
+            if problem:
+                failed.append(f"{name}: provider {raw.name!r} of plugin {raw.plugin!r} fails its smoke check {problem}")
+        if failed:
+            raise BridgeError(
+                f"vllm-port bridge: plugin {self.plugin!r} cannot serve {dtype} in vLLM: {'; '.join(failed)}. The "
+                "bridge runs only providers that pass: fix them (vllm-port doctor shows each check)"
+            )
         uncovered = [op for op in BRIDGED_OPS if bound.providers[op].name == REFERENCE]
         if uncovered:
             raise BridgeError(
@@ -86,6 +103,17 @@ class Bridge:
                 "the bridge: pip uninstall vllm-port-vllm)"
             )
         return bound
+
+    def traced(self, dtype: torch.dtype) -> BoundOps:
+        """The ops of :meth:`kernels` as custom ops, for ``torch.compile`` (the same providers)."""
+        eager = self.kernels(dtype)
+        traced = self.runtime.bind(dtype, traceable=True, strict=False)
+        moved = [op for op in BRIDGED_OPS if traced.providers[op].name != eager.providers[op].name]
+        if moved:
+            raise BridgeError(
+                f"vllm-port bridge: binding for torch.compile chose other providers for {', '.join(moved)}"
+            )
+        return traced
 
 
 def bridge() -> Bridge:
@@ -129,7 +157,7 @@ def prepare(dtype: torch.dtype) -> None:
         return
     b = bridge()
     _eager[dtype] = b.kernels(dtype)
-    _traced[dtype] = b.runtime.bind(dtype, traceable=True, strict=True)
+    _traced[dtype] = b.traced(dtype)
 
 
 def kernels(dtype: torch.dtype) -> BoundOps:
