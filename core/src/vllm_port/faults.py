@@ -66,6 +66,8 @@ SETTINGS: dict[str, str] = {
     "VLLM_PORT_CONFORMANCE": "tox: the conformance checkout a generated plugin installs",
     "VLLM_PORT_TORCH": "dev scripts: the torch build to install",
     "VLLM_PORT_CACHE_DIR": "where plugins cache built kernels",
+    "VLLM_PORT_STATS": "a JSON file where each process writes, at exit, its calls per bound op and provider",
+    "VLLM_PORT_CERTIFICATE": "the vLLM bridge: the certification report (report.json) of the plugin it runs",
 }
 
 

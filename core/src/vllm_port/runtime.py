@@ -27,6 +27,7 @@ from .memory import Allocator, BlockPoolFactory, HostMemoryAllocator, KVCache, K
 from .ops import BindContext, BoundOps, OpRegistry
 from .ops._custom import as_custom_ops
 from .ops.debug import CheckConfig, check_config, checked_ops
+from .ops.stats import counted_ops, stats_file
 from .platform import PlatformDescription
 from .reclaimer import DefaultReclaimer, Reclaimer
 
@@ -151,12 +152,17 @@ class Runtime:
         :param check: debug mode's settings; ``VLLM_PORT_CHECK`` is read when ``None``; ``False``: off.
             On, every op is a :class:`~vllm_port.ops.debug.CheckedOp` (:func:`~vllm_port.ops.debug.checked_ops`).
         :param strict: refuse every fallback; ``VLLM_PORT_STRICT`` is read when ``None``.
+
+        With ``VLLM_PORT_STATS=FILE`` every chosen function counts its calls, written to FILE at
+        exit (:mod:`vllm_port.ops.stats`).
         """
         if prefer is None:
             prefer = parse_provider_preferences(os.environ.get(PROVIDERS_ENV))
         config = check_config() if check is None else (check or None)
         verify_on = self.device if verify else None
         kernels = self.registry.bind(self.bind_context(dtype), prefer, verify_on=verify_on, strict=strict)
+        if stats_file() is not None:  # VLLM_PORT_STATS: count where the kernel runs, inside any wrapper
+            kernels = counted_ops(kernels)
         if traceable:  # a compiled graph calls the custom ops, never debug mode's wrappers
             return as_custom_ops(kernels, self.registry.ops)
         return kernels if config is None else checked_ops(kernels, self.registry.ops, config)

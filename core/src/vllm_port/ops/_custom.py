@@ -32,6 +32,8 @@ def _ident(text: str) -> str:
 def as_custom_op(op: Op, provider: Provider) -> Callable[..., Any]:
     """The custom op that runs ``provider`` (made once per process and reused)."""
     qualname = f"{_LIBRARY}::{op.name}__{_ident(provider.plugin)}__{_ident(provider.name)}"
+    if getattr(provider.fn, "vllm_port_counted", False):  # VLLM_PORT_STATS: a custom op of its own
+        qualname += "__counted"
     if qualname not in _made:
         if op.fake is None:
             raise ValueError(f"op {op.name!r} has no fake implementation, so it cannot be traced; give the Op a fake")

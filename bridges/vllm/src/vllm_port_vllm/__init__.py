@@ -1,0 +1,50 @@
+"""The vLLM bridge: a certified vllm-port plugin's kernels inside an unmodified vLLM.
+
+vLLM calls :func:`register` (the ``vllm.general_plugins`` entry point ``vllm_port``) in each of
+its processes before it builds a model. It checks vLLM's version and the signatures of the layers
+it replaces (:mod:`vllm_port_vllm.compat`), loads this project's runtime (discovery, selection,
+the plugin's certificate: :mod:`vllm_port_vllm.runtime`), and routes vLLM's norms, rotary
+embeddings and gated activations (:mod:`vllm_port_vllm.layers`) and its decoder attention
+(:mod:`vllm_port_vllm.attention`) to the bound providers. Any of these failing stops vLLM with a
+:class:`~vllm_port_vllm.errors.BridgeError` that names it: the bridge never lets vLLM fall back to
+its own kernels in silence.
+
+This module imports nothing at import time, so that a broken installation fails inside
+:func:`register` (which vLLM lets raise) rather than while vLLM loads the entry point (which vLLM
+only logs).
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+_registered: list[str] = []
+
+
+def register() -> None:
+    """Bridge this vLLM process to the selected certified plugin (vLLM's general-plugin hook).
+
+    :raises vllm_port_vllm.errors.BridgeError: for an unknown vLLM version or layer signature, a
+        broken plugin, or a plugin without a valid certificate.
+    """
+    if _registered:
+        return
+    import logging
+
+    from .attention import register_attention
+    from .compat import check_vllm
+    from .layers import register_layers
+    from .runtime import bridge
+
+    check_vllm()
+    b = bridge()
+    layers = register_layers()
+    backends = register_attention()
+    _registered.extend(layers + backends)
+    logging.getLogger("vllm_port_vllm").info(
+        "vllm-port bridge: plugin %r (certified, %s) serves %s; attention backends %s",
+        b.plugin,
+        b.certificate.get("source", {}).get("sha256", "?")[:12],
+        ", ".join(layers),
+        ", ".join(backends),
+    )

@@ -1,0 +1,226 @@
+"""Certification against vLLM: one model in vLLM with and without the bridge, logits compared within the ops' tolerances.
+
+Run in vLLM's environment, with the bridge and a certified plugin installed::
+
+    VLLM_PORT_CERTIFICATE=cert/report.json python -m vllm_port_vllm.check --model DIR [--dtype float32] [--json]
+
+For each mode (``eager``: ``enforce_eager``; ``compiled``: vLLM's torch.compile) two fresh vLLM
+processes run the same greedy requests, one with the bridge (``VLLM_PLUGINS`` unset) and one
+without (``VLLM_PLUGINS=""``: vLLM alone). Each returns its greedy ids with the whole vocabulary's
+logprobs at every step (decode attention), and the logprobs of every position of vLLM-alone's
+sequences scored as prompts (prefill attention, the same inputs on both sides). The check passes
+when:
+
+- every logprob of the bridged run is within the tolerance of vLLM-alone's, element by element:
+  ``atol + rtol * |x|`` of the least strict bridged op for the dtype (the attention ops'), over the
+  scored prompts and over each request's steps up to its first differing id (past it the inputs differ);
+- each request's greedy ids equal vLLM-alone's, or first differ where vLLM-alone's top two logprobs
+  are a near-tie (within twice that tolerance), which the report shows for each such request;
+- the bridged process counted more than zero calls of every bridged op (``VLLM_PORT_STATS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compare", "main", "tolerance"]
+
+#: vLLM's settings for a small run on a shared CPU (the KV cache in GiB, no reserved core)
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def tolerance(dtype: str) -> tuple[float, float]:
+    """``(atol, rtol)``: the least strict tolerance of the bridged ops for ``dtype``."""
+    import torch
+
+    from vllm_port.ops import ALL_OPS
+
+    from .runtime import BRIDGED_OPS
+
+    want = getattr(torch, dtype)
+    tols = [op.tolerances[want] for op in ALL_OPS if op.name in BRIDGED_OPS and want in op.tolerances]
+    return max(t.atol for t in tols), max(t.rtol for t in tols)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One vLLM process: greedy ids and logprobs, and the scored sequences; one JSON line."""
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    longest = max(len(p) for p in prompts) + args.max_tokens + 1
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        enforce_eager=args.mode == "eager",
+        max_model_len=longest,
+        max_num_seqs=len(prompts),
+        max_logprobs=vocab,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=vocab, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+
+    def row(step: dict[int, Any]) -> list[float]:
+        return [step[t].logprob for t in range(vocab)]
+
+    result = {
+        "ids": [list(o.outputs[0].token_ids) for o in outs],
+        "logprobs": [[row(s) for s in o.outputs[0].logprobs] for o in outs],
+    }
+    score = (
+        json.loads(Path(args.score).read_text())
+        if args.score
+        else [p + ids for p, ids in zip(prompts, result["ids"], strict=True)]
+    )
+    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=vocab, detokenize=False)
+    scored = llm.generate([{"prompt_token_ids": s} for s in score], scoring, use_tqdm=False)
+    result["scored"] = score
+    result["prompt_logprobs"] = [[row(s) for s in o.prompt_logprobs[1:]] for o in scored]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run(args: argparse.Namespace, mode: str, bridged: bool, work: Path, score: Path | None) -> dict[str, Any]:
+    env = {**os.environ, **{k: v for k, v in CPU_ENV.items() if k not in os.environ}}
+    stats = work / f"stats-{mode}.json"
+    if bridged:
+        env.pop("VLLM_PLUGINS", None)
+        env["VLLM_PORT_STATS"] = str(stats)
+    else:
+        env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin: vLLM alone
+        env.pop("VLLM_PORT_STATS", None)
+    cmd = [sys.executable, "-m", "vllm_port_vllm.check", "--worker", "--model", args.model, "--dtype", args.dtype]
+    cmd += ["--mode", mode, "--prompts", str(work / "prompts.json"), "--max-tokens", str(args.max_tokens)]
+    cmd += ["--score", str(score)] if score else []
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)  # noqa: S603
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"vLLM ({mode}, {'with' if bridged else 'without'} the bridge) exited {done.returncode}: "
+            f"{(done.stderr or done.stdout)[-3000:]}"
+        )
+    result = json.loads(lines[-1][len("RESULT ") :])
+    if bridged:
+        result["stats"] = json.loads(stats.read_text())["calls"] if stats.exists() else {}
+    return result
+
+
+def _worst(a: list[float], b: list[float], atol: float, rtol: float) -> float:
+    """The largest ``|a - b| / (atol + rtol * |a|)`` over finite pairs: above 1 is out of tolerance."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x == y:
+            continue
+        if not (abs(x) < float("inf") and abs(y) < float("inf")):
+            return float("inf")
+        worst = max(worst, abs(x - y) / (atol + rtol * abs(x)))
+    return worst
+
+
+def compare(alone: dict[str, Any], bridged: dict[str, Any], atol: float, rtol: float) -> dict[str, Any]:
+    """What differs between vLLM alone and vLLM with the bridge, and whether it is within tolerance."""
+    from .runtime import BRIDGED_OPS
+
+    worst_prefill = max(
+        (
+            _worst(a, b, atol, rtol)
+            for ra, rb in zip(alone["prompt_logprobs"], bridged["prompt_logprobs"], strict=True)
+            for a, b in zip(ra, rb, strict=True)
+        ),
+        default=0.0,
+    )
+    worst_decode, divergences = 0.0, []
+    for i, (ids_a, ids_b) in enumerate(zip(alone["ids"], bridged["ids"], strict=True)):
+        same = next((j for j, (x, y) in enumerate(zip(ids_a, ids_b, strict=True)) if x != y), len(ids_a))
+        for j in range(min(same + 1, len(ids_a))):  # the step that differs still had the same inputs
+            worst_decode = max(worst_decode, _worst(alone["logprobs"][i][j], bridged["logprobs"][i][j], atol, rtol))
+        if same < len(ids_a):
+            lp = alone["logprobs"][i][same]
+            a, b = lp[ids_a[same]], lp[ids_b[same]]
+            bound = 2 * (atol + rtol * max(abs(a), abs(b)))
+            divergences.append(
+                {
+                    "request": i,
+                    "step": same,
+                    "alone": ids_a[same],
+                    "bridged": ids_b[same],
+                    "gap": a - b,
+                    "tie_bound": bound,
+                    "tie": a - b <= bound,
+                }
+            )
+    calls = {op: sum(bridged.get("stats", {}).get(op, {}).values()) for op in BRIDGED_OPS}
+    uncalled = sorted(op for op, n in calls.items() if op != "gelu_and_mul" and n <= 0)  # Llama has no GELU
+    ok = worst_prefill <= 1 and worst_decode <= 1 and all(d["tie"] for d in divergences) and not uncalled
+    return {
+        "ok": ok,
+        "worst_prefill": worst_prefill,
+        "worst_decode": worst_decode,
+        "requests": len(alone["ids"]),
+        "equal_requests": len(alone["ids"]) - len(divergences),
+        "divergences": divergences,
+        "calls": calls,
+        "uncalled": uncalled,
+    }
+
+
+def _prompts(model: str, count: int, length: int) -> list[list[int]]:
+    import random
+
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)  # noqa: S311 - prompts, not secrets
+    return [[rng.randrange(1, vocab) for _ in range(length + 3 * i)] for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_port_vllm.check", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=9)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds each vLLM process may take")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="eager", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--score", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    atol, rtol = tolerance(args.dtype)
+    report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "atol": atol, "rtol": rtol, "modes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "prompts.json").write_text(json.dumps(_prompts(args.model, args.requests, args.prompt_len)))
+        for mode in args.modes.split(","):
+            alone = _run(args, mode, False, work, None)
+            (work / "score.json").write_text(json.dumps(alone["scored"]))
+            bridged = _run(args, mode, True, work, work / "score.json")
+            report["modes"][mode] = compare(alone, bridged, atol, rtol)
+    report["ok"] = all(m["ok"] for m in report["modes"].values())
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for mode, m in report["modes"].items():
+            print(
+                f"{mode}: {'PASS' if m['ok'] else 'FAIL'}  worst |diff|/tol prefill {m['worst_prefill']:.3g}, decode "
+                f"{m['worst_decode']:.3g}; {m['equal_requests']}/{m['requests']} requests' greedy ids equal; "
+                f"near-ties {[(d['request'], d['step'], round(d['gap'], 5)) for d in m['divergences']]}; calls {m['calls']}"
+            )
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The vLLM versions the bridge knows, and the signatures of what it replaces in each.
+
+The bridge subclasses vLLM's layers and implements its attention-backend interface; both are
+internal to vLLM and change between releases. So the bridge refuses a vLLM whose minor version it
+was not written for, and, in one it knows, any replaced method whose signature differs from the
+one recorded here (a patched or rebuilt vLLM): a changed signature would otherwise mean arguments
+dropped or misread in silence. A new vLLM release needs its row here, written after reading
+its sources (``python -m vllm_port_vllm.compat`` prints the row of the installed vLLM).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+from .errors import BridgeError
+
+__all__ = ["KNOWN", "check_vllm", "signatures"]
+
+#: "module:Class.method" of everything the bridge overrides or implements, per known minor version.
+_WATCHED = (
+    "vllm.model_executor.layers.layernorm:RMSNorm.__init__",
+    "vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
+    "vllm.model_executor.layers.activation:SiluAndMul.__init__",
+    "vllm.model_executor.layers.activation:SiluAndMul.forward_native",
+    "vllm.model_executor.layers.activation:GeluAndMul.__init__",
+    "vllm.model_executor.layers.activation:GeluAndMul.forward_native",
+    "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase.__init__",
+    "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase._match_cos_sin_cache_dtype",
+    "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_native",
+    "vllm.model_executor.custom_op:CustomOp.register_oot",
+    "vllm.v1.attention.backend:AttentionImpl.__init__",
+    "vllm.v1.attention.backend:AttentionImpl.forward",
+    "vllm.v1.attention.backend:AttentionMetadataBuilder.__init__",
+    "vllm.v1.attention.backend:AttentionMetadataBuilder.build",
+    "vllm.v1.attention.backends.utils:split_decodes_and_prefills",
+    "vllm.v1.attention.backends.registry:register_backend",
+)
+
+#: minor version -> watched name -> str(inspect.signature(...)) in that release
+KNOWN: dict[str, dict[str, str]] = {
+    "0.32": {
+        "vllm.model_executor.layers.layernorm:RMSNorm.__init__": "(self, hidden_size: int, eps: float = 1e-06, var_hidden_size: int | None = None, has_weight: bool = True, dtype: torch.dtype | None = None) -> None",
+        "vllm.model_executor.layers.layernorm:RMSNorm.forward_native": "(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]",
+        "vllm.model_executor.layers.activation:SiluAndMul.__init__": "(self, *, compile_native: bool = True)",
+        "vllm.model_executor.layers.activation:SiluAndMul.forward_native": "(x: torch.Tensor) -> torch.Tensor",
+        "vllm.model_executor.layers.activation:GeluAndMul.__init__": "(self, approximate: str = 'none')",
+        "vllm.model_executor.layers.activation:GeluAndMul.forward_native": "(self, x: torch.Tensor) -> torch.Tensor",
+        "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase.__init__": "(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float, is_neox_style: bool, dtype: torch.dtype, init_cache: bool = True) -> None",
+        "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase._match_cos_sin_cache_dtype": "(self, query: torch.Tensor) -> torch.Tensor",
+        "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding.forward_native": "(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]",
+        "vllm.model_executor.custom_op:CustomOp.register_oot": "(_decorated_op_cls=None, name: str | None = None)",
+        "vllm.v1.attention.backend:AttentionImpl.__init__": "(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None, alibi_slopes: list[float] | None = None, sliding_window: int | None = None, kv_cache_dtype: str = 'auto', logits_soft_cap: float | None = None, attn_type: str = <AttentionType.DECODER: 'decoder'>, kv_sharing_target_layer_name: str | None = None) -> None",
+        "vllm.v1.attention.backend:AttentionImpl.forward": "(self, layer: vllm.v1.attention.backend.AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: ~T, output: torch.Tensor, output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor",
+        "vllm.v1.attention.backend:AttentionMetadataBuilder.__init__": "(self, kv_cache_spec: 'KVCacheSpec', layer_names: list[str], vllm_config: 'VllmConfig', device: torch.device)",
+        "vllm.v1.attention.backend:AttentionMetadataBuilder.build": "(self, common_prefix_len: int, common_attn_metadata: vllm.v1.attention.backend.CommonAttentionMetadata, fast_build: bool = False) -> ~M",
+        "vllm.v1.attention.backends.utils:split_decodes_and_prefills": "(common_attn_metadata: vllm.v1.attention.backend.CommonAttentionMetadata, decode_threshold: int = 1, require_uniform: bool = False, treat_short_extends_as_decodes: bool = True) -> tuple[int, int, int, int]",
+        "vllm.v1.attention.backends.registry:register_backend": "(backend: vllm.v1.attention.backends.registry.AttentionBackendEnum | vllm.v1.attention.backends.registry.MambaAttentionBackendEnum | str, class_path: str | None = None, is_mamba: bool = False) -> collections.abc.Callable[[type], type]",
+    },
+}
+
+
+def _resolve(name: str) -> object:
+    import importlib
+
+    module, _, attr = name.partition(":")
+    obj: object = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def signatures() -> dict[str, str]:
+    """The installed vLLM's signature of every watched name (``"missing"`` where it has none)."""
+    found = {}
+    for name in _WATCHED:
+        try:
+            found[name] = str(inspect.signature(_resolve(name)))
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            found[name] = f"missing ({type(exc).__name__})"
+    return found
+
+
+def check_vllm(version: str | None = None) -> str:
+    """The installed vLLM's minor version, when the bridge knows it and every watched signature matches.
+
+    :raises BridgeError: naming the version, or each changed signature with the one expected.
+    """
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    minor = ".".join(version.split(".")[:2])
+    if minor not in KNOWN:
+        raise BridgeError(
+            f"vllm-port bridge: vLLM {version} is not a version the bridge knows (it knows "
+            f"{', '.join(sorted(KNOWN))}); its layers and attention interface may differ, so the bridge refuses "
+            "to start rather than misroute them. Install a vLLM it knows (pip install 'vllm==0.32.*'), or a "
+            "vllm-port-vllm that knows this one"
+        )
+    changed = [
+        f"{name}{found} (expected {KNOWN[minor][name]})"
+        for name, found in signatures().items()
+        if found != KNOWN[minor].get(name)
+    ]
+    if changed:
+        raise BridgeError(
+            f"vllm-port bridge: vLLM {version} differs from the {minor} the bridge was written for: "
+            f"{'; '.join(changed)}. The bridge refuses to start rather than call these with the wrong arguments"
+        )
+    return minor
+
+
+if __name__ == "__main__":
+    print(json.dumps(signatures(), indent=1))
