@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from vllm_port.ops.fp8 import quantize_fp8_weight
 from vllm_port.ops.rotary import make_cos_sin_cache
 
 NAN = float("nan")
@@ -158,6 +159,20 @@ def linear_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
     weight = layout(draw, randn(g, (n, k), dtype, k**-0.5))
     bias = layout(draw, randn(g, (n,), dtype), ("plain", "offset", "step")) if draw(st.booleans()) else None
     return Case("linear", dtype, (x, weight, bias))
+
+
+GRANULARITIES = ("tensor", "channel", "group")
+
+
+@st.composite
+def fp8_linear_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
+    g, dtype = generator(draw), dtype or draw(float_dtypes)
+    k, n = draw(st.integers(1, 300)), draw(st.integers(1, 64))
+    shape = (*lead_dims(draw, max_dims=2, max_size=6), k)
+    x = layout(draw, randn(g, shape, dtype))
+    weight, scale = quantize_fp8_weight(randn(g, (n, k), torch.float32, k**-0.5), draw(st.sampled_from(GRANULARITIES)))
+    bias = layout(draw, randn(g, (n,), dtype), ("plain", "offset", "step")) if draw(st.booleans()) else None
+    return Case("fp8_linear", dtype, (x, layout(draw, weight), scale, bias))
 
 
 @st.composite
@@ -400,6 +415,7 @@ VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "rms_norm": rms_norm_case,
     "fused_add_rms_norm": lambda dtype=None: rms_norm_case(dtype, fused=True),
     "linear": linear_case,
+    "fp8_linear": fp8_linear_case,
     "rotary_embedding": rotary_case,
     "reshape_and_cache": reshape_and_cache_case,
     "prefill_attention": prefill_attention_case,
@@ -586,6 +602,29 @@ def _linear_violations() -> list[Violation]:
         ("bias of another dtype", has_bias, lambda d, a: a.__setitem__(2, a[2].to(torch.float64)), False),
         ("bias on another device", has_bias, lambda d, a: a.__setitem__(2, a[2].to("meta")), False),
         ("2-D bias", has_bias, lambda d, a: a.__setitem__(2, a[2][None]), False),
+    ]
+
+
+def _fp8_linear_violations() -> list[Violation]:
+    def has_bias(a: Args) -> bool:
+        return a[3] is not None
+
+    def zero_scale(draw: st.DrawFn, a: Args) -> None:
+        scale = a[2].clone()
+        scale.view(-1)[draw(st.integers(0, scale.numel() - 1))] = 0.0
+        a[2] = scale
+
+    return [
+        _to_dtype(0, torch.int32, "integer x"),
+        _to_dtype(1, torch.bfloat16, "a float weight"),
+        _to_dtype(1, torch.float8_e5m2, "an e5m2 weight"),
+        _resize(1, 1, 1, "in_features one more"),
+        _rank(1, "3-D weight"),
+        _to_dtype(2, torch.bfloat16, "a bfloat16 scale"),
+        _set(2, lambda s: s.reshape(1, 1, -1), "a 3-D scale"),
+        ("bias of another dtype", has_bias, lambda d, a: a.__setitem__(3, a[3].to(torch.float64)), False),
+        ("2-D bias", has_bias, lambda d, a: a.__setitem__(3, a[3][None]), False),
+        _value("a zero scale", _always, zero_scale),
     ]
 
 
@@ -857,6 +896,7 @@ VIOLATIONS: dict[str, list[Violation]] = {
     "rms_norm": _norm_violations(fused=False),
     "fused_add_rms_norm": _norm_violations(fused=True),
     "linear": _linear_violations(),
+    "fp8_linear": _fp8_linear_violations(),
     "rotary_embedding": _rotary_violations(),
     "reshape_and_cache": _cache_violations(),
     "prefill_attention": _attention_violations(prefill=True),

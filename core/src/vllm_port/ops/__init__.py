@@ -20,6 +20,7 @@ from .attention import paged_attention, prefill_attention, reshape_and_cache
 from .checks import (
     INPUT_CHECKS,
     check_embedding,
+    check_fp8_linear,
     check_fused_add_rms_norm,
     check_gelu_and_mul,
     check_linear,
@@ -33,6 +34,7 @@ from .checks import (
     check_silu_and_mul,
     check_top_logprobs,
 )
+from .fp8 import fp8_linear
 from .linear import embedding, linear
 from .logits import process_logits, top_logprobs
 from .norm import fused_add_rms_norm, rms_norm
@@ -46,6 +48,7 @@ ALL_OPS: tuple[Op, ...] = (
     rms_norm,
     fused_add_rms_norm,
     linear,
+    fp8_linear,
     rotary_embedding,
     reshape_and_cache,
     prefill_attention,
@@ -73,6 +76,7 @@ __all__ = [
     "Tolerance",
     "Variants",
     "check_embedding",
+    "check_fp8_linear",
     "check_fused_add_rms_norm",
     "check_gelu_and_mul",
     "check_linear",
@@ -86,6 +90,7 @@ __all__ = [
     "check_silu_and_mul",
     "check_top_logprobs",
     "embedding",
+    "fp8_linear",
     "fused_add_rms_norm",
     "gelu_and_mul",
     "linear",

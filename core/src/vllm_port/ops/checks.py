@@ -45,6 +45,7 @@ from collections.abc import Callable
 from ._checks import VALIDATE_ENV, validation, validation_enabled
 from .activation import check_gelu_and_mul, check_silu_and_mul
 from .attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
+from .fp8 import check_fp8_linear
 from .linear import check_embedding, check_linear
 from .logits import check_process_logits, check_top_logprobs
 from .norm import check_fused_add_rms_norm, check_rms_norm
@@ -55,6 +56,7 @@ __all__ = [
     "INPUT_CHECKS",
     "VALIDATE_ENV",
     "check_embedding",
+    "check_fp8_linear",
     "check_fused_add_rms_norm",
     "check_gelu_and_mul",
     "check_linear",
@@ -77,6 +79,7 @@ INPUT_CHECKS: dict[str, Callable[..., object]] = {
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
     "linear": check_linear,
+    "fp8_linear": check_fp8_linear,
     "rotary_embedding": check_rotary_embedding,
     "reshape_and_cache": check_reshape_and_cache,
     "prefill_attention": check_prefill_attention,
