@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
+from .quantization import Fp8Checkpoint, read_quantization
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -88,6 +89,7 @@ class ModelConfig:
         sliding_window: keys a query may see at most (Mistral's window); 0 = the whole context.
         dtype: the checkpoint's dtype (``torch_dtype``/``dtype``), not necessarily the one it runs in.
         eos_token_ids: end-of-sequence ids of ``config.json`` and ``generation_config.json``, in that order.
+        quantization: how an FP8 checkpoint stores its projections (``quantization_config``), None for float weights.
     """
 
     architecture: str
@@ -108,6 +110,7 @@ class ModelConfig:
     dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: Fp8Checkpoint | None = None
 
     @property
     def q_size(self) -> int:
@@ -464,11 +467,6 @@ def _sliding_window(fields: _Fields, architecture: str, num_layers: int) -> int:
 
 
 def _refuse_unsupported(fields: _Fields, architecture: str) -> None:
-    if fields.raw.get("quantization_config") is not None:
-        raise ModelLoadError(
-            f"{fields.path}: field 'quantization_config' marks a quantized checkpoint, which vllm-port does not "
-            "load; use the unquantized (bfloat16/float16/float32) weights"
-        )
     if fields.get_str("hidden_act", "silu") != "silu":
         raise fields.fail("hidden_act", "'silu' (the gated MLP of Llama-family models)")
     if architecture == "LlamaForCausalLM" and fields.get_bool("mlp_bias", False):
@@ -547,4 +545,5 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         dtype=_checkpoint_dtype(fields),
         bos_token_id=fields.get_int("bos_token_id", None, minimum=0),
         eos_token_ids=eos,
+        quantization=read_quantization(path, fields.raw),
     )

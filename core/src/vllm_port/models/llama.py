@@ -22,7 +22,7 @@ import torch
 from ..errors import ModelLoadError
 from ..ops import BoundOps
 from .config import ModelConfig, load_config
-from .loader import check_dtype, expected_weights, load_weights
+from .loader import check_dtype, expected_weights, fp8_weights, load_weights
 
 __all__ = [
     "AttentionMetadata",
@@ -146,6 +146,11 @@ class _Layer:
     gate_up_weight: torch.Tensor
     down_weight: torch.Tensor
     next_norm: torch.Tensor  # the norm after this layer's MLP: the next layer's input norm, or the final norm
+    # an FP8 checkpoint's float32 scales of the four (fused) projections, as fp8_linear takes them; None for float
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -191,7 +196,11 @@ class LlamaModel:
         def fuse(*names: str) -> torch.Tensor:
             return torch.cat([take(name) for name in names])
 
+        def scale(*names: str) -> torch.Tensor | None:  # FP8: the weights' scales, fused as the weights are
+            return fuse(*(name + "_scale" for name in names)) if self.config.quantization is not None else None
+
         qkv = [attn + f"{x}_proj." for x in "qkv"]
+        gate_up = (mlp + "gate_proj.weight", mlp + "up_proj.weight")
         return _Layer(
             input_norm=input_norm,
             qkv_weight=fuse(*(n + "weight" for n in qkv)),
@@ -199,9 +208,13 @@ class LlamaModel:
             o_weight=take(attn + "o_proj.weight"),
             o_bias=take(attn + "o_proj.bias") if self.config.o_proj_bias else None,
             post_attention_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up_weight=fuse(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            gate_up_weight=fuse(*gate_up),
             down_weight=take(mlp + "down_proj.weight"),
             next_norm=next_norm,
+            qkv_scale=scale(*(n + "weight" for n in qkv)),
+            o_scale=scale(attn + "o_proj.weight"),
+            gate_up_scale=scale(*gate_up),
+            down_scale=scale(mlp + "down_proj.weight"),
         )
 
     @property
@@ -255,28 +268,41 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         c = self.config
-        qkv = ops.linear(hidden, layer.qkv_weight, layer.qkv_bias)
+        qkv = _project(ops, hidden, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         ops.rotary_embedding(positions, q, k, c.head_size, self.cos_sin_cache, True)  # HF rotates halves: NeoX
         q = q.unflatten(-1, (c.num_heads, c.head_size))  # views: [tokens, heads, head_size]
         k = k.unflatten(-1, (c.num_kv_heads, c.head_size))
         v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
         out = paged_attention_step(ops, q, k, v, kv_cache, meta, self.scale, c.sliding_window)
-        return ops.linear(out.flatten(-2), layer.o_weight, layer.o_bias)
+        return _project(ops, out.flatten(-2), layer.o_weight, layer.o_scale, layer.o_bias)
 
     def _mlp(self, ops: BoundOps, layer: _Layer, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = ops.linear(hidden, layer.gate_up_weight).chunk(2, dim=-1)
+        gate, up = _project(ops, hidden, layer.gate_up_weight, layer.gate_up_scale).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
-        return ops.linear(act, layer.down_weight)
+        return _project(ops, act, layer.down_weight, layer.down_scale)
 
     def compute_logits(self, ops: BoundOps, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` of hidden states ``[n, hidden_size]`` (the LM head, or the tied embedding)."""
         return ops.linear(hidden, self.lm_head)
 
 
+def _project(
+    ops: BoundOps, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``linear``, or ``fp8_linear`` for an FP8 checkpoint's projection (one with a scale)."""
+    if scale is None:
+        return ops.linear(x, weight, bias)
+    return ops.fp8_linear(x, weight, scale, bias)
+
+
 def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
     specs = expected_weights(config)
     first = weights.get("model.embed_tokens.weight")
+    fp8 = fp8_weights(config)
+    for name in fp8:
+        if not isinstance(weights.get(name + "_scale"), torch.Tensor):
+            raise ModelLoadError(f"weights: tensor {name + '_scale'!r} is missing; the FP8 weight {name!r} needs it")
     for name, spec in specs.items():
         tensor = weights.get(name)
         if not isinstance(tensor, torch.Tensor):
@@ -285,7 +311,11 @@ def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> 
             raise ModelLoadError(
                 f"weights: tensor {name!r} has shape {list(tensor.shape)}; the config implies {list(spec.shape)} ({spec.why})"
             )
-        if first is not None and (tensor.dtype != first.dtype or tensor.device != first.device):
+        if name in fp8 and tensor.dtype != torch.float8_e4m3fn:
+            raise ModelLoadError(
+                f"weights: tensor {name!r} is {tensor.dtype}; an FP8 checkpoint's projection is float8_e4m3fn"
+            )
+        if first is not None and name not in fp8 and (tensor.dtype != first.dtype or tensor.device != first.device):
             raise ModelLoadError(
                 f"weights: tensor {name!r} is {tensor.dtype} on {tensor.device} but the embedding is {first.dtype} "
                 f"on {first.device}; load every weight in one dtype on one device"
