@@ -27,6 +27,11 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 #: 1,173 for 128 x 128 tiles over 8 warps one head at a time); decode streams 64-key tiles over 4 warps, 2 stages
 #: deep, splits each sequence's keys until about 8 programs per SM run, each split at least 8 tiles (1 x 32k:
 #: 64 splits).
+#: ``fp8_linear`` multiplies e4m3 operands on the FP8 tensor cores (``fp8_dot``), with ``TritonTarget``'s default
+#: tiles until ``vllm-port bench fp8-linear`` has been run on an H200: at decode 16-row tiles of 64 outputs, 256
+#: input features a step (256 bytes of each weight row), 4 stages, the reduction split to 4 programs per SM; at
+#: prefill 128 x 128 tiles, 128 deep, 8 warps, 3 stages. The older parts widen e4m3 to bfloat16 (no FP8 MMA on
+#: sm_80/sm_86; Ada's sm_89 has it but shares the compact target with sm_86).
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -43,6 +48,7 @@ CUDA = TritonTarget(
     prefill_tma=True,
     prefill_order="all_heads",
     linear_max_rows=0,
+    fp8_dot=True,
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
 #: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:

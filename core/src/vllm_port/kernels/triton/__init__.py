@@ -13,12 +13,13 @@ Importing this package imports ``triton``.
 from __future__ import annotations
 
 from ...ops import FLOAT_DTYPES, Provider
-from ..triton_target import INTERPRETER, LinearTiles, TritonTarget
+from ..triton_target import INTERPRETER, LinearTiles, MatmulTiles, TritonTarget
 from .swap import swap_blocks
 
 __all__ = [
     "INTERPRETER",
     "LinearTiles",
+    "MatmulTiles",
     "TritonTarget",
     "kernel_classes",
     "providers",
@@ -31,6 +32,7 @@ def kernel_classes() -> list[type]:
     from .activation import ActivationKernels
     from .attention import AttentionKernels
     from .cache import CacheKernels
+    from .fp8_linear import Fp8LinearKernels
     from .linear import LinearKernels
     from .logits import LogitsKernels
     from .norm import NormKernels
@@ -46,6 +48,7 @@ def kernel_classes() -> list[type]:
         SamplingKernels,
         LogitsKernels,
         LinearKernels,
+        Fp8LinearKernels,
     ]
 
 
