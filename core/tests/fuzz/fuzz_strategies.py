@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from vllm_port.ops import ALL_OPS
 from vllm_port.ops.fp8 import quantize_fp8_weight
+from vllm_port.ops.kv_fp8 import quantize_kv
 from vllm_port.ops.rotary import make_cos_sin_cache
 
 NAN = float("nan")
@@ -162,6 +164,7 @@ def linear_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
 
 
 GRANULARITIES = ("tensor", "channel", "group")
+OPS_BY_NAME = {op.name: op for op in ALL_OPS}
 
 
 @st.composite
@@ -410,6 +413,45 @@ def top_logprobs_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case
 
 
 #: op name -> strategy of valid cases, for any dtype (or the one given)
+#: The FP8 cache ops: their float op, and where its caches are among the arguments.
+FP8_CACHE_OPS = {
+    "reshape_and_cache_fp8": ("reshape_and_cache", (2, 3)),
+    "paged_attention_fp8": ("paged_attention", (1, 2)),
+    "prefill_attention_fp8": ("prefill_attention", (1, 2)),
+}
+
+
+def _fp8_cache_case(op: str) -> Callable[..., st.SearchStrategy[Case]]:
+    """Cases of an FP8 cache op: its float op's, the caches in e4m3 under drawn scales (NaN poison kept)."""
+    base, caches = FP8_CACHE_OPS[op]
+
+    @st.composite
+    def case(draw: st.DrawFn, dtype: torch.dtype | None = None, **limits: Any) -> Case:
+        c = draw(VALID[base](dtype, **limits))
+        params = list(OPS_BY_NAME[base].signature.parameters.values())
+        args = [*c.args, *(p.default for p in params[len(c.args) :])]
+        scales = [draw(st.sampled_from([1.0, 0.05, 3.0])) for _ in caches]
+        for i, scale in zip(caches, scales, strict=True):
+            args[i] = quantize_kv(args[i], scale)
+        return Case(op, c.dtype, (*args, *scales))
+
+    return case
+
+
+def _fp8_cache_violations(op: str) -> list[Violation]:
+    """The float op's violations that still break the FP8 op (not a dtype that no longer has to match), and its own."""
+    base, caches = FP8_CACHE_OPS[op]
+    inputs = [i for i in range(3) if i not in caches]  # query, or key and value
+    kept = [v for v in VIOLATIONS[base] if not any(v[0] == f"arg {i} of another float dtype" for i in inputs)]
+    n = len(OPS_BY_NAME[base].signature.parameters)
+    return [
+        *kept,
+        _set(caches[0], lambda c: c.to(torch.bfloat16), "a bfloat16 key cache"),
+        _set(n, lambda s: 0.0, "a zero k_scale"),
+        _set(n + 1, lambda s: float("nan"), "a NaN v_scale"),
+    ]
+
+
 VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "embedding": embedding_case,
     "rms_norm": rms_norm_case,
@@ -426,6 +468,7 @@ VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "process_logits": process_logits_case,
     "top_logprobs": top_logprobs_case,
 }
+VALID.update({op: _fp8_cache_case(op) for op in FP8_CACHE_OPS})
 
 
 def valid_cases(op: str, **limits: Any) -> st.SearchStrategy[Case]:
@@ -907,6 +950,7 @@ VIOLATIONS: dict[str, list[Violation]] = {
     "process_logits": _process_logits_violations(),
     "top_logprobs": _top_logprobs_violations(),
 }
+VIOLATIONS.update({op: _fp8_cache_violations(op) for op in FP8_CACHE_OPS})
 
 
 @st.composite

@@ -35,6 +35,7 @@ from .checks import (
     check_top_logprobs,
 )
 from .fp8 import fp8_linear
+from .kv_fp8 import paged_attention_fp8, prefill_attention_fp8, reshape_and_cache_fp8
 from .linear import embedding, linear
 from .logits import process_logits, top_logprobs
 from .norm import fused_add_rms_norm, rms_norm
@@ -53,6 +54,9 @@ ALL_OPS: tuple[Op, ...] = (
     reshape_and_cache,
     prefill_attention,
     paged_attention,
+    reshape_and_cache_fp8,
+    prefill_attention_fp8,
+    paged_attention_fp8,
     silu_and_mul,
     gelu_and_mul,
     process_logits,
@@ -96,10 +100,13 @@ __all__ = [
     "linear",
     "make_cos_sin_cache",
     "paged_attention",
+    "paged_attention_fp8",
     "prefill_attention",
+    "prefill_attention_fp8",
     "process_logits",
     "provider",
     "reshape_and_cache",
+    "reshape_and_cache_fp8",
     "rms_norm",
     "rotary_embedding",
     "sample",

@@ -46,6 +46,7 @@ from ._checks import VALIDATE_ENV, validation, validation_enabled
 from .activation import check_gelu_and_mul, check_silu_and_mul
 from .attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
 from .fp8 import check_fp8_linear
+from .kv_fp8 import check_paged_attention_fp8, check_prefill_attention_fp8, check_reshape_and_cache_fp8
 from .linear import check_embedding, check_linear
 from .logits import check_process_logits, check_top_logprobs
 from .norm import check_fused_add_rms_norm, check_rms_norm
@@ -61,9 +62,12 @@ __all__ = [
     "check_gelu_and_mul",
     "check_linear",
     "check_paged_attention",
+    "check_paged_attention_fp8",
     "check_prefill_attention",
+    "check_prefill_attention_fp8",
     "check_process_logits",
     "check_reshape_and_cache",
+    "check_reshape_and_cache_fp8",
     "check_rms_norm",
     "check_rotary_embedding",
     "check_sample",
@@ -84,6 +88,9 @@ INPUT_CHECKS: dict[str, Callable[..., object]] = {
     "reshape_and_cache": check_reshape_and_cache,
     "prefill_attention": check_prefill_attention,
     "paged_attention": check_paged_attention,
+    "reshape_and_cache_fp8": check_reshape_and_cache_fp8,
+    "prefill_attention_fp8": check_prefill_attention_fp8,
+    "paged_attention_fp8": check_paged_attention_fp8,
     "silu_and_mul": check_silu_and_mul,
     "gelu_and_mul": check_gelu_and_mul,
     "process_logits": check_process_logits,
