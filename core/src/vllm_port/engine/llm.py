@@ -274,6 +274,9 @@ class LLM:
     :param tokenizer_mode: ``"auto"`` (or ``"hf"``): the ``tokenizer.json`` through the ``tokenizers``
         library, the only kind this engine reads.
     :param trust_remote_code: ``False`` only: the engine never runs code from a model directory.
+    :param kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"fp8"`` (``"fp8_e4m3"``): the paged KV cache in
+        float8 e4m3 with scales of 1.0 (vLLM's default), a block taking half of bfloat16's bytes, so the same
+        memory holds twice the tokens; attention reads it through the ``*_fp8`` cache ops.
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -303,6 +306,7 @@ class LLM:
         tokenizer: str | os.PathLike[str] | None = None,
         tokenizer_mode: str = "auto",
         trust_remote_code: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
         del arguments["self"]
@@ -1210,10 +1214,16 @@ def _make_runner(
             model.dtype,
             make_step=config.make_step,
             placement=placement,
+            kv_cache_dtype=config.kv_cache_dtype,
             **sizing.runner_arguments(),
         )
     from .tensor_parallel import TensorParallelRunner
 
     return TensorParallelRunner(
-        runtime, model.weights, model.dtype, config.tensor_parallel_size, **sizing.runner_arguments()
+        runtime,
+        model.weights,
+        model.dtype,
+        config.tensor_parallel_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        **sizing.runner_arguments(),
     )

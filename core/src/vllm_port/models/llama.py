@@ -114,6 +114,8 @@ def paged_attention_step(
     ``q`` is ``[tokens, heads, head_size]``, ``k``/``v`` ``[tokens, kv_heads, head_size]``; returns ``q``'s shape.
     """
     key_cache, value_cache = kv_cache
+    if key_cache.dtype == torch.float8_e4m3fn:
+        return _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap)
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     if meta.is_decode:
         return ops.paged_attention(
@@ -131,6 +133,22 @@ def paged_attention_step(
         sliding_window,
         soft_cap,
     )
+
+
+#: The FP8 KV cache's scales: 1.0, vLLM's default for ``kv_cache_dtype="fp8"`` without calibrated scales (keys and
+#: values of Llama-family models stay well inside e4m3's +-448).
+KV_SCALE = 1.0
+
+
+def _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap) -> torch.Tensor:
+    """:func:`paged_attention_step` over an e4m3 cache: the ``*_fp8`` cache ops with :data:`KV_SCALE`."""
+    key_cache, value_cache = kv_cache
+    ops.reshape_and_cache_fp8(k, v, key_cache, value_cache, meta.slot_mapping, KV_SCALE, KV_SCALE)
+    if meta.is_decode:
+        return ops.paged_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
+                                       sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
+    return ops.prefill_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                     meta.max_query_len, scale, sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
 
 
 @dataclass
