@@ -33,6 +33,7 @@ def kernel_classes() -> list[type]:
     from .attention import AttentionKernels
     from .cache import CacheKernels
     from .fp8_linear import Fp8LinearKernels
+    from .kv_fp8 import Fp8CacheKernels
     from .linear import LinearKernels
     from .logits import LogitsKernels
     from .norm import NormKernels
@@ -49,6 +50,7 @@ def kernel_classes() -> list[type]:
         LogitsKernels,
         LinearKernels,
         Fp8LinearKernels,
+        Fp8CacheKernels,
     ]
 
 

@@ -32,7 +32,7 @@ from ...ops.fp8 import FP8_GROUP, FP8_MAX, check_fp8_linear, fp8_linear_referenc
 from ..triton_target import MatmulTiles, TritonTarget
 from .linear import _REDUCE_BLOCK, _reduce_splits_kernel
 
-__all__ = ["Fp8LinearKernels"]
+__all__ = ["Fp8LinearKernels", "to_e4m3"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DOT_MIN = 16
@@ -41,6 +41,17 @@ _MIN_TILES_PER_SPLIT = 2
 _INTERPRETER_SMS = 4
 #: How the weight scale is laid out (constexpr of the matmul kernel).
 _PER_TENSOR, _PER_CHANNEL, _PER_GROUP = 0, 1, 2
+
+
+@triton.jit
+def to_e4m3(x, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """float32 ``x`` as e4m3, saturated at +-FP8_MAX, rounded to nearest even (see :func:`_quantize_rows_kernel`)."""
+    q = tl.clamp(x, -FP8_MAX, FP8_MAX)
+    if ROUND_FIRST:
+        exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(q), 2.0**-6))), -6.0)
+        magic = tl.exp2(exponent - 3.0) * 12582912.0  # 1.5 x 2^23 steps of e4m3 at this magnitude
+        q = (q + magic) - magic
+    return q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -72,12 +83,8 @@ def _quantize_rows_kernel(
     tl.store(s_ptr + row, scale)
     for k in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + (k + offs) * stride_xk, mask=k + offs < K, other=0.0)
-        q = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
-        if ROUND_FIRST:
-            exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(q), 2.0**-6))), -6.0)
-            magic = tl.exp2(exponent - 3.0) * 12582912.0  # 1.5 x 2^23 steps of e4m3 at this magnitude
-            q = (q + magic) - magic
-        tl.store(q_ptr + row * K + k + offs, q.to(tl.float8e4nv), mask=k + offs < K)
+        q = to_e4m3(x.to(tl.float32) / scale, FP8_MAX, ROUND_FIRST)
+        tl.store(q_ptr + row * K + k + offs, q, mask=k + offs < K)
 
 
 @triton.jit(do_not_specialize=["M"])
