@@ -162,3 +162,18 @@ def test_a_float_projection_in_an_fp8_checkpoint_is_refused(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=re.escape(f"tensor {name!r} has dtype F32; expected F8_E4M3")):
         load_model(tmp_path, torch.device("cpu"), torch.float32)
+
+
+def test_the_engine_generates_what_transformers_does_on_the_dequantised_weights(tmp_path):
+    """Greedy through ``LLM`` (block-wise FP8, the format of Qwen3-FP8 and DeepSeek-V3) equals ``transformers``."""
+    from vllm_port import LLM, SamplingParams
+
+    hf = write_fp8_checkpoint(tmp_path / "fp8", "fp8 blocks of 128 x 128 (transformers FineGrainedFP8)")
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", kv_cache_memory=4 << 20)
+    prompt = [5, 17, 33, 2, 9, 101, 7]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert got == want[0, len(prompt) :].tolist()
