@@ -47,13 +47,17 @@ def _time_us(fn: Callable[[], Any]) -> float:
     return 1e3 * float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def _cases(x: torch.Tensor, k: int, n: int, kernels: Any) -> dict[str, Callable[[], Any] | str]:
+def _weights(k: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One shape's weight: e4m3 per channel, e4m3 per group, bfloat16 (made on the device: 117M elements take
+    seconds on the host)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(n, k, generator=gen, device=device) / k**0.5
+    return (*quantize_fp8_weight(w, "channel"), *quantize_fp8_weight(w, "group"), w.to(torch.bfloat16))
+
+
+def _cases(x: torch.Tensor, weights: tuple[torch.Tensor, ...], kernels: Any) -> dict[str, Callable[[], Any] | str]:
     """Each column's call on one shape, or why it cannot run here."""
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen) / k**0.5
-    wq, ws = (t.to(x.device) for t in quantize_fp8_weight(w, "channel"))
-    gq, gs = (t.to(x.device) for t in quantize_fp8_weight(w, "group"))
-    wb = w.to(x.device, torch.bfloat16)
+    wq, ws, gq, gs, wb = weights
     cases: dict[str, Callable[[], Any] | str] = {
         "triton": lambda: kernels.fp8_linear(x, wq, ws),
         "triton group": lambda: kernels.fp8_linear(x, gq, gs),
@@ -95,9 +99,10 @@ def main(json_path: str | None = None, rows: tuple[int, ...] = ROWS, shapes: tup
         print(f"\n{name}: {k} -> {n} (e4m3 weight {k * n / 1e6:.1f} MB)")
         print("| M | column | us | weight GB/s | % of copy | TFLOP/s | vs scaled_mm |")
         print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        weights = _weights(k, n, device)
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            cases = _cases(x, k, n, kernels)
+            cases = _cases(x, weights, kernels)
             times = {col: _time_us(fn) for col, fn in cases.items() if callable(fn)}
             for col, fn in cases.items():
                 if not callable(fn):
