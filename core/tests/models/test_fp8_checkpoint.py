@@ -177,3 +177,11 @@ def test_the_engine_generates_what_transformers_does_on_the_dequantised_weights(
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert got == want[0, len(prompt) :].tolist()
+
+
+def test_an_fp8_checkpoint_refuses_tensor_parallelism_naming_why(tmp_path):
+    from vllm_port import LLM
+
+    write_fp8_checkpoint(tmp_path / "fp8", "fp8 per tensor (vLLM)")
+    with pytest.raises(ModelLoadError, match=r"quantization_config makes an FP8 checkpoint.*tensor_parallel_size > 1"):
+        LLM(str(tmp_path / "fp8"), device="cpu", tensor_parallel_size=2, kv_cache_memory=4 << 20)

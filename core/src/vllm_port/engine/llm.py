@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ..data import bundled_model_dir
-from ..errors import VllmPortError
+from ..errors import ModelLoadError, VllmPortError
 from ..memory import host_memory
 from ..models import load_config
 from ..models.loader import check_fits
@@ -1202,11 +1202,24 @@ def _make_scheduler(config: EngineConfig, runtime: Runtime, runner: Any, max_mod
     )
 
 
+def _refuse_fp8_beyond_one_device(config: EngineConfig, model: _OpenedModel) -> None:
+    """FP8 checkpoints run on one platform: their scales are not sharded over ranks nor placed beside their weights."""
+    if getattr(model.config, "quantization", None) is None:
+        return
+    mode = "tensor_parallel_size > 1" if config.tensor_parallel_size != 1 else "placement/devices"
+    if config.tensor_parallel_size != 1 or config.places:
+        raise ModelLoadError(
+            f"{model.model_dir}: config.json's quantization_config makes an FP8 checkpoint, which runs on one device "
+            f"so far ({mode} would split the projections from their scales); use tensor_parallel_size=1 and no placement"
+        )
+
+
 def _make_runner(
     config: EngineConfig, runtime: Runtime, model: _OpenedModel, placement: Any, sizing: _CacheSizing
 ) -> Any:
     """The runner of ``config``'s mode: a ``ModelRunner`` in this process (plain, imported or placed), or
     a ``TensorParallelRunner`` over ``tensor_parallel_size`` worker ranks."""
+    _refuse_fp8_beyond_one_device(config, model)
     if config.tensor_parallel_size == 1:
         return ModelRunner(
             runtime,
