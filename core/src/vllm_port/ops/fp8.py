@@ -214,8 +214,9 @@ def _oracle(x, weight, weight_scale, bias) -> tuple[torch.Tensor, torch.Tensor, 
     Computed :data:`_ORACLE_CHUNK` output features at a time, so a float64 copy of a large weight never exists whole.
     """
     xd = x.detach().cpu().double().reshape(-1, x.shape[-1])
-    var = _half_steps(xd) ** 2 / 3
-    squares = xd * xd
+    # the tolerance's two sums in float32 (a tolerance needs no float64 digits; they cost two of the three products)
+    var = (_half_steps(xd) ** 2 / 3).float()
+    squares = (xd * xd).float()
     weight, weight_scale = weight.detach().cpu(), weight_scale.detach().cpu()
     granularity = scale_granularity(weight, weight_scale)
     want, sigma, size = [], [], []
@@ -224,8 +225,9 @@ def _oracle(x, weight, weight_scale, bias) -> tuple[torch.Tensor, torch.Tensor, 
         scale = weight_scale if granularity == "tensor" else weight_scale[rows]
         w = dequantize_fp8_weight(weight[rows], scale, torch.float64)
         want.append(xd @ w.T)
-        sigma.append((var @ (w * w).T).sqrt())
-        size.append((squares @ (w * w).T).sqrt())
+        w2 = (w * w).float().T
+        sigma.append((var @ w2).sqrt().double())
+        size.append((squares @ w2).sqrt().double())
     bias_d = bias.detach().cpu().double() if bias is not None else 0.0
     return torch.cat(want, dim=1) + bias_d, torch.cat(sigma, dim=1), torch.cat(size, dim=1)
 
