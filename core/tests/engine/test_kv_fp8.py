@@ -95,3 +95,11 @@ def test_llm_with_fp8_cache_holds_more_blocks_and_generates(llama_model, cpu_run
 def test_kv_cache_dtype_refuses_what_it_cannot_run_naming_the_field(llama_model, cpu_runtime, bad):
     with pytest.raises(ValueError, match=r"kv_cache_dtype is .*; it must be 'auto' \(the model's dtype\) or 'fp8'"):
         make_llm(llama_model, cpu_runtime, kv_cache_dtype=bad)
+
+
+def test_samples_sharing_a_partial_prompt_block_copy_it_in_the_fp8_cache(llama_model, cpu_runtime):
+    """n samples copy the prompt's partial last block on write: the migrator copies e4m3 blocks as bytes."""
+    llm = make_llm(llama_model, cpu_runtime, kv_cache_memory=96 << 10, block_size=4, kv_cache_dtype="fp8")
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(range(5, 18))}], params)  # 13 tokens: the 4th block partial
+    assert [len(c.token_ids) for c in outs[0].outputs] == [20, 20, 20]
