@@ -485,6 +485,8 @@ class ModelRunner:
         with torch.inference_mode():
             for key_cache, value_cache in self.kv_caches:
                 for cache in (key_cache, value_cache):
+                    if cache.element_size() == 1:  # an FP8 cache: copied as bytes (no float8 index_copy_)
+                        cache = cache.view(torch.uint8)
                     src, dst = (torch.tensor(ids, device=cache.device) for ids in zip(*pairs, strict=True))
                     cache.index_copy_(0, dst, cache.index_select(0, src))
 
