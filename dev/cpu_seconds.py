@@ -7,11 +7,14 @@ ranks, venvs), which ``--durations`` does not separate. Usage, one process::
     PYTHONPATH=dev .venv/bin/python -m pytest -n 0 -p cpu_seconds core/tests/test_x.py
 
 prints the 30 costliest tests at the end (``CPU_SECONDS_TOP=N`` for more). A session fixture's cost
-lands on the first test that uses it; a subprocess counts once it has been waited for.
+lands on the first test that uses it; a subprocess counts once it has been waited for. Under
+pytest-xdist the workers' summaries are not shown: ``CPU_SECONDS_FILE=PATH`` makes every process
+append its tests' costs to PATH as JSON lines instead (``{"own": s, "children": s, "test": id}``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 
@@ -33,6 +36,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     finally:
         own_after, children_after = _cpu()
         _costs.append((own_after - own, children_after - children, item.nodeid))
+        if path := os.environ.get("CPU_SECONDS_FILE"):
+            with open(path, "a") as out:
+                out.write(
+                    json.dumps({"own": own_after - own, "children": children_after - children, "test": item.nodeid})
+                    + "\n"
+                )
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

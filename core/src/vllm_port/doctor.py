@@ -10,6 +10,7 @@ loaded (the CPU plugin's native library).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from .api import API_VERSION
 from .discovery import Discovery, PluginRecord, discover, probe_again
 from .errors import SelectionError, VllmPortError
 from .faults import STRICT_ENV, strict_mode
+from .host_threads import check_threads
 from .ops import REFERENCE
 from .ops.debug import smoke_samples
 from .runtime import Runtime, select
@@ -151,7 +153,9 @@ def diagnose(plugins: str | None = None, device: str | None = None, strict: bool
     ``ops`` (op -> bound ``provider``, ``by_dtype``, ``candidates``, ``failed`` providers with the
     reason and what serves instead, ``slow`` warnings), ``smoke`` (op -> PASS/FAIL), ``memory``,
     ``comm``, ``fallbacks`` (what the layer replaced on its own), ``strict`` and ``strict_problems``
-    (what strict mode refuses), ``ok``.
+    (what strict mode refuses), ``threads`` (torch threads against the usable cores and the load:
+    :func:`vllm_port.host_threads.check_threads`; its ``advice`` says what to set when they do not
+    fit), ``ok``.
 
     :param strict: judge as strict mode does (``VLLM_PORT_STRICT`` when ``None``): any problem it refuses
         makes the report not ok. Doctor itself never stops at one: it reports them all.
@@ -207,6 +211,8 @@ def diagnose(plugins: str | None = None, device: str | None = None, strict: bool
         report["fallbacks"] += runtime.fallbacks
         probe_again(found, selected)  # what binding built and loaded (a kernel library) shows only now
         report["plugins"] = [_plugin_json(r) for r in found.plugins]
+    thread_check = check_threads()
+    report["threads"] = {**dataclasses.asdict(thread_check), "oversubscribed": thread_check.oversubscribed}
     report["strict"] = strict
     report["strict_problems"] = found.problems + list(dict.fromkeys(report["fallbacks"]))
     report["ok"] = (
@@ -282,6 +288,12 @@ def render(report: dict[str, Any]) -> str:
     if comm:
         served = ", ".join(f"{part}: {name}" for part, name in comm.get("served_by", {}).items())
         lines.append(f"Comm: error: {comm['error']}" if comm.get("error") else f"Comm: {served}")
+    threads = report.get("threads")
+    if threads:
+        load = "no load average" if threads["load_average"] is None else f"load average {threads['load_average']:.2f}"
+        lines.append(f"Host threads: {threads['torch_threads']} torch threads, {threads['cores']} usable cores, {load}")
+        if threads["advice"]:
+            lines.append(f"  ! oversubscribed: {threads['advice']}")
     if report.get("fallbacks"):
         lines += ["", "Fallbacks (what vllm-port replaced on its own; strict mode refuses each):"]
         lines += [f"  - {what}" for what in dict.fromkeys(report["fallbacks"])]

@@ -59,6 +59,8 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    received: Any,
+    deadline_s: float,
 ) -> None:
     set_rank_environment(rank, world, port)
     try:
@@ -69,6 +71,9 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # A tensor in the result travels as a handle to this process's shared memory, which the parent
+    # opens while unpickling it: exiting before then fails the parent's read (FileNotFoundError).
+    received.wait(deadline_s)
 
 
 def run_ranks(
@@ -90,11 +95,12 @@ def run_ranks(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    received = ctx.Event()  # set once the parent holds every result: the ranks may exit then
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, platform, device_count, timeout_s, fn, args, results),
+            args=(r, world_size, port, platform, device_count, timeout_s, fn, args, results, received, deadline_s),
             daemon=True,
         )
         for r in range(world_size)
@@ -118,6 +124,7 @@ def run_ranks(
                     if r not in got and r not in dead and p.exitcode is not None:
                         dead[r] = time.monotonic()  # grace for a result still in the queue's pipe
     finally:
+        received.set()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import cpu_runtime_fixtures
 from llm_helpers import make_llm, prompts
-from tiny_models import TINY_CONFIGS, save_tiny_model
+from tiny_models import NEW_FAMILY_CONFIGS, TINY_CONFIGS, save_tiny_model
 
 from vllm_port import SamplingParams
 
@@ -56,6 +56,12 @@ one_thread = cpu_runtime_fixtures.one_thread
 def engine_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Family -> a tiny checkpoint directory with a tokenizer."""
     return {f: save_tokenizer(save_tiny_model(f, tmp_path_factory.mktemp(f"engine-{f}"))) for f in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def new_family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Family -> a tiny checkpoint of Qwen3, Qwen3-MoE or Mixtral with a tokenizer (``NEW_FAMILY_CONFIGS``)."""
+    return {f: save_tokenizer(save_tiny_model(f, tmp_path_factory.mktemp(f"new-{f}"))) for f in NEW_FAMILY_CONFIGS}
 
 
 @pytest.fixture(scope="session")

@@ -161,3 +161,22 @@ def test_hopper_prefill_serves_the_engine_within_the_contract(tmp_path, device_r
     assert [problem for *_, problem in calls] == [None] * len(calls)
     assert any(s > q for q_lens, seq_lens, _ in calls for q, s in zip(q_lens, seq_lens, strict=True))  # a prefix
     assert any(1 in q_lens and max(q_lens) > 1 for q_lens, _, _ in calls)  # decode mixed with a prefill
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["captured", "eager"])
+def test_a_mixture_of_experts_model_on_the_device_equals_the_cpu(tmp_path, device_runtime, monkeypatch, enforce_eager):
+    """Qwen3-MoE's shape (per-head q/k norms, 8 experts top-2, one dense layer) in float32: the platform's
+    ``fused_moe`` (the Triton kernels on a GPU; in a captured decode step too) gives the CPU plugin's tokens."""
+    moe = dict(architectures=["Qwen3MoeForCausalLM"], head_dim=64, num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=128, norm_topk_prob=True, mlp_only_layers=[1])  # fmt: skip
+    for key, value in moe.items():
+        monkeypatch.setitem(CONFIG, key, value)
+    model_dir = write_checkpoint(tmp_path / "moe")
+    gen = torch.Generator().manual_seed(3)
+    batch = [torch.randint(5, 512, (n,), generator=gen).tolist() for n in (9, 40, 3, 70)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cpu = LLM(str(model_dir), device=vllm_port.load(plugins="cpu"), kv_cache_memory=8 << 20)
+    want = [o.outputs[0].token_ids for o in cpu.generate(batch, params)]
+    llm = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, swap_space=0, enforce_eager=enforce_eager)
+    assert "fused_moe" in llm.provider_per_op
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want

@@ -412,6 +412,26 @@ def top_logprobs_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case
     )
 
 
+@st.composite
+def fused_moe_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
+    g, dtype = generator(draw), dtype or draw(float_dtypes)
+    tokens, hidden, inter = draw(st.integers(0, 6)), draw(st.integers(1, 24)), draw(st.integers(1, 12))
+    experts = draw(st.integers(1, 10))
+    top_k = draw(st.integers(1, experts))
+    x = layout(draw, randn(g, (tokens, hidden), dtype))
+    logits = layout(draw, randn(g, (tokens, experts), draw(st.sampled_from([dtype, torch.float32])), 2.0))
+    w13 = layout(draw, randn(g, (experts, 2 * inter, hidden), dtype, hidden**-0.5))
+    w2 = layout(draw, randn(g, (experts, hidden, inter), dtype, inter**-0.5))
+    shared = draw(st.integers(0, 8))
+    s13 = layout(draw, randn(g, (2 * shared, hidden), dtype, hidden**-0.5)) if shared else None
+    s2 = layout(draw, randn(g, (hidden, shared), dtype, shared**-0.5)) if shared else None
+    scoring = draw(st.sampled_from(["softmax", "sigmoid"]))
+    activation = draw(st.sampled_from(["silu", "gelu", "gelu_tanh"]))
+    scaling = draw(st.sampled_from([1.0, 2.5, 16.0]))
+    args = (x, logits, w13, w2, top_k, scoring, draw(st.booleans()), activation, scaling, s13, s2)
+    return Case("fused_moe", dtype, args)
+
+
 #: op name -> strategy of valid cases, for any dtype (or the one given)
 #: The FP8 cache ops: their float op, and where its caches are among the arguments.
 FP8_CACHE_OPS = {
@@ -464,6 +484,7 @@ VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "paged_attention": paged_attention_case,
     "silu_and_mul": lambda dtype=None: gated_case("silu_and_mul", dtype),
     "gelu_and_mul": lambda dtype=None: gated_case("gelu_and_mul", dtype),
+    "fused_moe": fused_moe_case,
     "sample": sample_case,
     "process_logits": process_logits_case,
     "top_logprobs": top_logprobs_case,
@@ -933,6 +954,43 @@ def _top_logprobs_violations() -> list[Violation]:
     ]
 
 
+def _fused_moe_violations() -> list[Violation]:
+    def shared(a: Args) -> bool:
+        return a[9] is not None
+
+    def nan_logit(draw: st.DrawFn, a: Args) -> None:
+        t = a[1].clone()
+        t[_any_index(draw, t)] = NAN
+        a[1] = t
+
+    def wider(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape[0], t.shape[1] + 1, dtype=t.dtype)
+
+    return [
+        _to_dtype(0, torch.int64, "integer x"),
+        _rank(0, "3-D x"),
+        _resize(1, 0, 1, "router logits of one more token"),
+        _set(1, lambda t: t[:, :0], "router logits of no expert"),
+        _resize(2, 1, 1, "w13 of odd width"),
+        _resize(2, 2, 1, "w13 of another hidden size"),
+        _resize(3, 2, 1, "w2 of another intermediate"),
+        _resize(3, 0, 1, "w2 of one more expert"),
+        _other_float(2),
+        _on_meta(1),
+        _on_meta(3),
+        _not_tensor(2),
+        _scalar(4, [0, -1, 1000, True, None, 2.0], "top_k outside [1, num_experts]"),
+        _scalar(5, ["Softmax", "relu", None], "unknown scoring"),
+        _scalar(6, [1, None, "yes"], "renormalize not a bool"),
+        _scalar(7, ["relu", "swiglu", None], "unknown activation"),
+        _scalar(8, [0.0, -1.0, NAN, float("inf"), None, True], "routed_scaling not finite and > 0"),
+        _set(10, lambda t: None, "shared_w13 without shared_w2", shared),
+        _set(10, wider, "shared_w2 of another width", shared),
+        _other_float(9),
+        _value("a NaN router logit", lambda a: a[1].numel() > 0, nan_logit),
+    ]
+
+
 #: op name -> every way its contract can be broken
 VIOLATIONS: dict[str, list[Violation]] = {
     "embedding": _embedding_violations(),
@@ -946,6 +1004,7 @@ VIOLATIONS: dict[str, list[Violation]] = {
     "paged_attention": _attention_violations(prefill=False),
     "silu_and_mul": _gated_violations(gelu=False),
     "gelu_and_mul": _gated_violations(gelu=True),
+    "fused_moe": _fused_moe_violations(),
     "sample": _sample_violations(),
     "process_logits": _process_logits_violations(),
     "top_logprobs": _top_logprobs_violations(),

@@ -12,6 +12,11 @@ The fixtures of ``conftest.py`` save one of each with ``save_pretrained`` (safet
 norms before and after attention and MLP, GELU-tanh, attention soft cap 2 and final soft cap 5 so
 that both act, sliding window 8 on alternate layers).
 
+``build_tiny_model`` builds the newer families too (``NEW_FAMILY_CONFIGS``, kept apart so that the
+many tests iterating ``TINY_CONFIGS`` do not grow): ``qwen3`` (per-head q/k RMS norm, explicit
+head_dim 32 over hidden 128), ``qwen3_moe`` (8 experts of 64, top-2 without renormalisation, the
+second layer dense through ``mlp_only_layers``) and ``mixtral`` (4 experts, top-2, renormalised).
+
 ``tiny_model_dirs`` maps each family to its directory. Weights are re-drawn at unit scale (the
 transformers initialisation is so small that every layer is nearly the identity, which would let a
 wrong rotary table or bias pass unseen); norm weights and biases are random too. Each family's greedy
@@ -121,6 +126,29 @@ IMPORT_ONLY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
 }
+#: Families of issue 29 that the core model runs (tested in ``core/tests/engine/test_new_families.py``).
+NEW_FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+             tie_word_embeddings=False, bos_token_id=None, eos_token_id=4),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
+             mlp_only_layers=[1], tie_word_embeddings=False, bos_token_id=None, eos_token_id=4),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+             num_experts_per_tok=2, intermediate_size=96, rope_theta=1000000.0, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2),
+    ),
+}  # fmt: skip
 _COMMON = dict(
     vocab_size=512, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5
 )
@@ -130,7 +158,7 @@ def build_tiny_model(family: str, seed: int = 0, **overrides):
     """A random ``transformers`` model of ``family`` at unit-scale weights (float32, eager attention)."""
     import transformers
 
-    config_cls, model_cls, kwargs = {**TINY_CONFIGS, **IMPORT_ONLY_CONFIGS}[family]
+    config_cls, model_cls, kwargs = {**TINY_CONFIGS, **IMPORT_ONLY_CONFIGS, **NEW_FAMILY_CONFIGS}[family]
     config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -21,6 +21,8 @@ HELP = "benchmarks (not tests): see docs/results/"
 #: The random models ``bench placement --shape`` builds: the keys of :data:`vllm_port.bench.placement.SHAPES`
 #: (a test holds them equal), named here so that declaring the options imports no torch.
 PLACEMENT_SHAPES = ("llama3-8b", "small", "tiny")
+#: The layers ``bench moe --shape`` builds: the keys of :data:`vllm_port.bench.moe.SHAPES`.
+MOE_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite", "tiny")
 #: The dtypes a benchmark's random model or inputs may take.
 DTYPES = ["bfloat16", "float16", "float32"]
 
@@ -229,6 +231,22 @@ def _run_serve_load(args: argparse.Namespace) -> int:
     return serve_load.run(args)
 
 
+def _moe_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flag(parser)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=MOE_SHAPES, help="the layer's model")
+    parser.add_argument("--tokens", default="1,8,64,4096,8192", help="comma-separated token counts")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--sweep", action="store_true", help="also time the Triton kernels with other tiles")
+    add_json_file_flag(parser, "write the results to this JSON file")
+
+
+def _run_moe(args: argparse.Namespace) -> int:
+    from . import moe
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    return moe.main(args.device, args.shape, tokens, args.dtype, args.json, sweep=args.sweep)
+
+
 def _fp8_linear_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,16,256,4096", help="comma-separated token counts (default 1,16,256,4096)")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
@@ -252,6 +270,11 @@ KINDS: dict[str, BenchKind] = {
         "every provider of every op against eager, Inductor and the device's ceilings", _ops_arguments, _run_ops
     ),
     "pool": BenchKind("KV block pool ops per second and usable KV capacity", _pool_arguments, _run_pool),
+    "moe": BenchKind(
+        "one MoE layer (Qwen3-30B-A3B's by default): the bound fused_moe beside torch._grouped_mm, L2 flushed",
+        _moe_arguments,
+        _run_moe,
+    ),
     "swap": BenchKind(
         "migrator swap bandwidth device <-> pinned host vs a plain pinned copy_ (needs a GPU)",
         _swap_arguments,

@@ -51,6 +51,13 @@ def check_shardable(config: ModelConfig, world_size: int) -> None:
     """
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size is {world_size}; it must be >= 1")
+    if config.moe is not None and world_size > 1:
+        field = "num_local_experts" if config.architecture == "MixtralForCausalLM" else "num_experts"
+        raise ValueError(
+            f"tensor_parallel_size={world_size}: {config.architecture} is a mixture-of-experts model (config field "
+            f"{field!r}), whose experts are not split over ranks yet (expert parallelism: docs/ops.md); run it with "
+            "tensor_parallel_size=1"
+        )
     problems = []
     if config.num_heads % world_size:
         problems.append(f"num_attention_heads={config.num_heads}")

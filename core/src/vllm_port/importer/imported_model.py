@@ -14,6 +14,7 @@ when their logits or greedy tokens disagree.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +186,39 @@ def _skeleton(model: torch.nn.Module) -> dict[str, Any]:
         raise ImporterError(f"{who} cannot be imported: it has no {'; no '.join(missing)}. {hint}")
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise ImporterError(f"{who} is an encoder-decoder model; {hint}")
+    _refuse_experts(who, getattr(model, "config", None))
+    _refuse_rotary_per_layer_type(who, base.rotary_emb, getattr(model, "config", None))
     return {"base": base, "embed": embed, "layers": list(base.layers), "norm": base.norm, "head": head}
+
+
+#: Config fields that count a mixture-of-experts model's routed experts (Mixtral and Qwen3-MoE in transformers 5,
+#: Qwen-MoE and Qwen3-MoE in transformers 4, DeepSeek).
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _refuse_experts(who: str, config: Any) -> None:
+    """Refuse a mixture-of-experts model before tracing (its experts' routing is data-dependent: no piece traces it)."""
+    for name in _EXPERT_FIELDS:
+        count = getattr(config, name, None)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            raise ImporterError(
+                f"{who}: mixture-of-experts (config.{name}={count}) is not supported by the importer; load it with "
+                "the core path (LLM(DIR) or vllm-port generate --model DIR without importer='hf'), which runs "
+                "Qwen3-MoE and Mixtral with the fused_moe op; other MoE families run with transformers itself"
+            )
+
+
+def _refuse_rotary_per_layer_type(who: str, rotary: torch.nn.Module, config: Any) -> None:
+    """Refuse a model with a rotary embedding per layer type (Gemma-3: local and global RoPE), before calling it."""
+    params = inspect.signature(rotary.forward).parameters
+    if "layer_type" not in params:
+        return
+    types = sorted(set(getattr(config, "layer_types", None) or ()))
+    raise ImporterError(
+        f"{who}: its rotary embedding ({type(rotary).__name__}) takes a layer_type: one rotary table per layer type "
+        f"(config.layer_types: {', '.join(types) or 'unset'}, each with its own rope parameters), and the importer "
+        "maps one table for every layer; run this model with transformers itself"
+    )
 
 
 #: Positions at which the rotary table of a short sequence is compared with the one of the longest.

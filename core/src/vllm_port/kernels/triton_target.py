@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["INTERPRETER", "PREFILL_ORDERS", "LinearTiles", "MatmulTiles", "TritonTarget"]
+__all__ = ["INTERPRETER", "PREFILL_ORDERS", "LinearTiles", "MatmulTiles", "MoeTiles", "TritonTarget"]
 
 
 #: The launch orders prefill attention knows (``TritonTarget.prefill_order``).
@@ -38,6 +38,27 @@ class LinearTiles:
     warps: int = 4
     stages: int = 3
     waves: int = 4
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Launch configuration of the grouped GEMMs of ``fused_moe`` (``moe.py``).
+
+    Attributes:
+        block_m: (token, expert) rows per program; each expert's rows are padded to a multiple of it,
+            so a program reads one expert's weights. 16 at decode (a few rows per expert), 64+ at prefill.
+        block_n: output columns per program (intermediate columns in the gate/up GEMM, hidden in the down).
+        block_k: reduction step; ``block_k x itemsize`` bytes of a weight row per step.
+        warps: warps per program.
+        stages: software-pipelining depth of the loads; each stage holds ``(block_m + 2 * block_n) x block_k``
+            elements of the gate/up kernel in shared memory, which must fit the part's (see ``TritonTarget``).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,10 @@ class TritonTarget:
         linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
             None sends one row to the tensor-core path too.
         linear_dot: tiles of the tensor-core path (``tl.dot``, rows padded to 16).
+        moe_small: tiles of ``fused_moe``'s grouped GEMMs for batches of at most ``moe_small_tokens`` tokens
+            (decode: each active expert's weights read once, by many narrow programs).
+        moe_large: its tiles for larger batches (prefill: a grouped GEMM of wide tiles).
+        moe_small_tokens: the most tokens ``moe_small`` serves.
         fp8_skinny_rows: the most rows ``fp8_linear`` runs with ``fp8_skinny`` (split-K, decode); more take
             ``fp8_wide``. 0 declines ``fp8_linear`` at bind time.
         fp8_skinny: tiles of ``fp8_linear`` at decode.
@@ -119,6 +144,11 @@ class TritonTarget:
     linear_max_rows: int = 16
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
+    # shared memory per stage of the gate/up kernel: (block_m + 2 * block_n) * block_k * itemsize; the defaults
+    # take 40 and 48 KiB in bfloat16 (two stages), inside the 64 KiB of an AMD CDNA compute unit's LDS
+    moe_small: MoeTiles = MoeTiles(16, 32, 128, 4, 2)
+    moe_large: MoeTiles = MoeTiles(64, 64, 64, 4, 2)
+    moe_small_tokens: int = 64
     fp8_skinny_rows: int = 64
     fp8_skinny: MatmulTiles = MatmulTiles(16, 64, 256, 4, 4, 4)
     fp8_wide: MatmulTiles = MatmulTiles(128, 128, 128, 8, 3)
@@ -144,6 +174,9 @@ INTERPRETER = TritonTarget(
     attn_stages=1,
     linear_fma=LinearTiles(16, 32, 4, 1),
     linear_dot=LinearTiles(16, 32, 4, 1),
+    moe_small=MoeTiles(16, 16, 16, 4, 1),
+    moe_large=MoeTiles(32, 32, 32, 4, 1),
+    moe_small_tokens=8,
     fp8_skinny_rows=16,
     fp8_skinny=MatmulTiles(16, 32, 64, 4, 1, 4),
     fp8_wide=MatmulTiles(32, 32, 64, 4, 1),

@@ -38,6 +38,7 @@ __all__ = [
     "SIZE_LIMITS",
     "SUPPORTED_ARCHITECTURES",
     "ModelConfig",
+    "MoeConfig",
     "check_regular_file",
     "load_config",
     "model_file",
@@ -47,7 +48,18 @@ __all__ = [
 ]
 
 #: The ``architectures`` one flat definition (:class:`~vllm_port.models.llama.LlamaModel`) serves.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+#: The architectures whose attention normalises each query and key head (Qwen3's ``q_norm``/``k_norm``).
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+#: The mixture-of-experts architectures (their MoE blocks run through the ``fused_moe`` op).
+_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 #: The rope types understood: plain RoPE and Llama 3.1's frequency-dependent scaling.
 ROPE_TYPES = ("default", "llama3")
 _REQUIRED = object()  # marks a field without a default
@@ -69,9 +81,35 @@ SIZE_LIMITS: Mapping[str, int] = MappingProxyType(
         "sliding_window": 1 << 26,
         "max_window_layers": 1 << 12,
         "bos_token_id": 1 << 24,
+        "num_experts": 1 << 14,
+        "num_local_experts": 1 << 14,
+        "num_experts_per_tok": 1 << 14,
+        "moe_intermediate_size": 1 << 22,
+        "decoder_sparse_step": 1 << 12,
     }
 )
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts model's experts, as the ``fused_moe`` op takes them.
+
+    Attributes:
+        num_experts: routed experts per MoE layer (Qwen3-MoE's ``num_experts``, Mixtral's ``num_local_experts``).
+        top_k: experts per token (``num_experts_per_tok``).
+        intermediate_size: each expert's MLP width (Qwen3-MoE's ``moe_intermediate_size``, Mixtral's
+            ``intermediate_size``).
+        renormalize: the top-k weights are divided by their sum (Qwen3-MoE's ``norm_topk_prob``; always for Mixtral).
+        sparse_layers: per layer, True where the MLP is a MoE block (Qwen3-MoE's ``decoder_sparse_step``
+            and ``mlp_only_layers`` leave some layers dense).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -89,6 +127,9 @@ class ModelConfig:
         sliding_window: keys a query may see at most (Mistral's window); 0 = the whole context.
         dtype: the checkpoint's dtype (``torch_dtype``/``dtype``), not necessarily the one it runs in.
         eos_token_ids: end-of-sequence ids of ``config.json`` and ``generation_config.json``, in that order.
+        qk_norm: each query and key head is RMS-normalised before the rotary embedding (Qwen3): one
+            ``rms_norm`` call over ``[tokens, heads, head_size]`` with a ``[head_size]`` weight.
+        moe: the experts of a mixture-of-experts model (None for a dense one).
         quantization: how an FP8 checkpoint stores its projections (``quantization_config``), None for float weights.
     """
 
@@ -110,6 +151,8 @@ class ModelConfig:
     dtype: torch.dtype
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False
+    moe: MoeConfig | None = None
     quantization: Fp8Checkpoint | None = None
 
     @property
@@ -124,17 +167,23 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Whether ``o_proj`` has a bias: Llama's ``attention_bias`` covers it, Qwen2's biases stop at q/k/v."""
-        return self.attention_bias and self.architecture == "LlamaForCausalLM"
+        """Whether ``o_proj`` has a bias: Llama's and Qwen3's ``attention_bias`` cover it, Qwen2's biases stop at q/k/v."""
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
 
     @property
     def num_parameters(self) -> int:
         """Parameters of the weights the model reads (every tensor of ``expected_weights``), from the sizes alone."""
         h, q, kv, mlp = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
         per_layer = 2 * h + (q + 2 * kv) * h + q * h + 3 * mlp * h
-        per_layer += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias
+        per_layer += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias + 2 * self.head_size * self.qk_norm
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * per_layer + h
+        total = embeddings + self.num_layers * per_layer + h
+        if self.moe is not None:  # a MoE layer has a router and its experts in place of the dense MLP
+            m = self.moe
+            total += sum(m.sparse_layers) * (
+                m.num_experts * h + m.num_experts * 3 * m.intermediate_size * h - 3 * mlp * h
+            )
+        return total
 
     @property
     def largest_tensor_numel(self) -> int:
@@ -444,9 +493,10 @@ def _rope(fields: _Fields) -> tuple[float, Mapping[str, Any] | None]:
 
 
 def _sliding_window(fields: _Fields, architecture: str, num_layers: int) -> int:
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return fields.get_int("sliding_window", 0, minimum=0)
-    if architecture != "Qwen2ForCausalLM" or not fields.get_bool("use_sliding_window", False):
+    qwen = ("Qwen2ForCausalLM", *_QK_NORM)
+    if architecture not in qwen or not fields.get_bool("use_sliding_window", False):
         return 0
     # Qwen2 slides only in the layers at or above max_window_layers (layer_types spells it out in transformers 5)
     window = fields.get_int("sliding_window")
@@ -466,11 +516,44 @@ def _sliding_window(fields: _Fields, architecture: str, num_layers: int) -> int:
     )
 
 
+def _moe(fields: _Fields, architecture: str, num_layers: int) -> MoeConfig | None:
+    """The experts of a MoE architecture, every field checked; None for a dense one."""
+    if architecture not in _MOE:
+        return None
+    if architecture == "MixtralForCausalLM":
+        experts = fields.get_int("num_local_experts", 8)
+        return MoeConfig(experts, _top_k(fields, experts), fields.get_int("intermediate_size"), True,
+                         (True,) * num_layers)  # fmt: skip
+    # Qwen3-MoE: transformers 4 writes num_experts, transformers 5 num_local_experts
+    experts = fields.get_int("num_experts" if "num_experts" in fields.raw else "num_local_experts", 128)
+    step = fields.get_int("decoder_sparse_step", 1)
+    dense = fields.raw.get("mlp_only_layers", [])
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise fields.fail("mlp_only_layers", "a list of layer indices (the layers with a dense MLP)")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoeConfig(
+        experts,
+        _top_k(fields, experts),
+        fields.get_int("moe_intermediate_size"),
+        fields.get_bool("norm_topk_prob", False),
+        sparse,
+    )
+
+
+def _top_k(fields: _Fields, experts: int) -> int:
+    top_k = fields.get_int("num_experts_per_tok")
+    if top_k > experts:
+        raise fields.fail("num_experts_per_tok", f"at most the number of experts ({experts})")
+    return top_k
+
+
 def _refuse_unsupported(fields: _Fields, architecture: str) -> None:
     if fields.get_str("hidden_act", "silu") != "silu":
         raise fields.fail("hidden_act", "'silu' (the gated MLP of Llama-family models)")
     if architecture == "LlamaForCausalLM" and fields.get_bool("mlp_bias", False):
         raise fields.fail("mlp_bias", "false (MLP biases are not supported)")
+    if architecture == "Qwen3MoeForCausalLM" and fields.raw.get("shared_expert_intermediate_size"):
+        raise fields.fail("shared_expert_intermediate_size", "absent or 0 (Qwen3-MoE has no shared expert)")
 
 
 #: What a Hugging Face hub id looks like: ``org/name`` (letters, digits, ``-``, ``_``, ``.``).
@@ -524,6 +607,13 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     if generation.exists():
         more = _Fields(generation, read_json(generation, "generation_config.json")).token_ids("eos_token_id")
         eos += tuple(t for t in more if t not in eos)
+    moe, quantization = _moe(fields, architecture, num_layers), read_quantization(path, fields.raw)
+    if moe is not None and quantization is not None:
+        raise ModelLoadError(
+            f"{path}: field 'quantization_config' makes an FP8 checkpoint of a mixture-of-experts model "
+            f"({architecture}); fused_moe takes float experts, so FP8 experts are not supported yet: use the "
+            "unquantized weights"
+        )
     return ModelConfig(
         architecture=architecture,
         vocab_size=fields.get_int("vocab_size"),
@@ -538,12 +628,14 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=fields.get_int("max_position_embeddings"),
         tie_word_embeddings=fields.get_bool("tie_word_embeddings", False),
-        attention_bias={"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(
+        attention_bias={"Qwen2ForCausalLM": True, "MistralForCausalLM": False, "MixtralForCausalLM": False}.get(
             architecture, fields.get_bool("attention_bias", False)
         ),
         sliding_window=_sliding_window(fields, architecture, num_layers),
         dtype=_checkpoint_dtype(fields),
         bos_token_id=fields.get_int("bos_token_id", None, minimum=0),
         eos_token_ids=eos,
-        quantization=read_quantization(path, fields.raw),
+        qk_norm=architecture in _QK_NORM,
+        moe=moe,
+        quantization=quantization,
     )

@@ -1,4 +1,6 @@
-"""Llama 2/3/3.1, Qwen2 and Mistral as one flat model: a loop over layers calling the bound contract ops.
+"""Llama 2/3/3.1, Qwen2/Qwen3, Mistral and the MoE families (Qwen3-MoE, Mixtral) as one flat model.
+
+A loop over layers calls the bound contract ops.
 
 There is no module tree. ``forward`` reads top to bottom as the decoder computes: embedding, then per
 layer RMSNorm, fused q/k/v projection, rotary embedding, cache write, paged attention, output
@@ -6,8 +8,10 @@ projection, residual add, RMSNorm, gated MLP, residual add. It is written in the
 purpose: ``residual = x + residual`` followed by ``rms_norm`` and ``silu(gate) * up`` are left for
 the compile backend's fusion passes to find, rather than pre-fused by hand. The families differ only
 in data: Qwen2's q/k/v biases go through ``linear``'s bias, tied embeddings reuse the embedding as
-the LM head, Mistral's sliding window is an argument of the attention ops. No device is named here:
-tensors live wherever the weights were loaded.
+the LM head, Mistral's sliding window is an argument of the attention ops, Qwen3's per-head q/k
+norm is one ``rms_norm`` call on each of q and k viewed as ``[tokens, heads, head_size]`` (no new op),
+and a mixture-of-experts layer's MLP is its router (a ``linear``) and one ``fused_moe`` call. No
+device is named here: tensors live wherever the weights were loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from ..errors import ModelLoadError
 from ..ops import BoundOps
 from .config import ModelConfig, load_config
-from .loader import check_dtype, expected_weights, fp8_weights, load_weights
+from .loader import check_dtype, expected_weights, expert_weight_names, fp8_weights, load_weights
 
 __all__ = [
     "AttentionMetadata",
@@ -161,9 +165,14 @@ class _Layer:
     o_weight: torch.Tensor
     o_bias: torch.Tensor | None
     post_attention_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    down_weight: torch.Tensor
+    gate_up_weight: torch.Tensor | None  # None in a MoE layer
+    down_weight: torch.Tensor | None
     next_norm: torch.Tensor  # the norm after this layer's MLP: the next layer's input norm, or the final norm
+    q_norm: torch.Tensor | None = None  # Qwen3's per-head norms, [head_size]
+    k_norm: torch.Tensor | None = None
+    router_weight: torch.Tensor | None = None  # a MoE layer's router, [num_experts, hidden]
+    w13: torch.Tensor | None = None  # its experts' gate and up rows, [num_experts, 2 * intermediate, hidden]
+    w2: torch.Tensor | None = None  # its experts' down projections, [num_experts, hidden, intermediate]
     # an FP8 checkpoint's float32 scales of the four (fused) projections, as fp8_linear takes them; None for float
     qkv_scale: torch.Tensor | None = None
     o_scale: torch.Tensor | None = None
@@ -172,7 +181,7 @@ class _Layer:
 
 
 class LlamaModel:
-    """Llama 2/3/3.1, Qwen2 and Mistral from one flat definition.
+    """Llama 2/3/3.1, Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral from one flat definition.
 
     :param weights: tensors by Hugging Face name (see :func:`~vllm_port.models.loader.expected_weights`),
         all of one dtype on one device; the model runs where they are.
@@ -218,22 +227,35 @@ class LlamaModel:
             return fuse(*(name + "_scale" for name in names)) if self.config.quantization is not None else None
 
         qkv = [attn + f"{x}_proj." for x in "qkv"]
-        gate_up = (mlp + "gate_proj.weight", mlp + "up_proj.weight")
-        return _Layer(
+        c = self.config
+        layer = _Layer(
             input_norm=input_norm,
             qkv_weight=fuse(*(n + "weight" for n in qkv)),
-            qkv_bias=fuse(*(n + "bias" for n in qkv)) if self.config.attention_bias else None,
+            qkv_bias=fuse(*(n + "bias" for n in qkv)) if c.attention_bias else None,
             o_weight=take(attn + "o_proj.weight"),
-            o_bias=take(attn + "o_proj.bias") if self.config.o_proj_bias else None,
+            o_bias=take(attn + "o_proj.bias") if c.o_proj_bias else None,
             post_attention_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up_weight=fuse(*gate_up),
-            down_weight=take(mlp + "down_proj.weight"),
+            gate_up_weight=None,
+            down_weight=None,
             next_norm=next_norm,
+            q_norm=take(attn + "q_norm.weight") if c.qk_norm else None,
+            k_norm=take(attn + "k_norm.weight") if c.qk_norm else None,
             qkv_scale=scale(*(n + "weight" for n in qkv)),
             o_scale=scale(attn + "o_proj.weight"),
-            gate_up_scale=scale(*gate_up),
-            down_scale=scale(mlp + "down_proj.weight"),
         )
+        if c.moe is not None and c.moe.sparse_layers[i]:
+            router, experts = expert_weight_names(c, i)
+            layer.router_weight = take(router)
+            # one expert at a time, so the per-expert tensors are freed while the stacked ones fill
+            layer.w13 = torch.stack([torch.cat([take(gate), take(up)]) for gate, up, _ in experts])
+            layer.w2 = torch.stack([take(down) for _, _, down in experts])
+        else:
+            gate_up = (mlp + "gate_proj.weight", mlp + "up_proj.weight")
+            layer.gate_up_weight = fuse(*gate_up)
+            layer.down_weight = take(mlp + "down_proj.weight")
+            layer.gate_up_scale = scale(*gate_up)
+            layer.down_scale = scale(mlp + "down_proj.weight")
+        return layer
 
     @property
     def max_positions(self) -> int:
@@ -288,6 +310,9 @@ class LlamaModel:
         c = self.config
         qkv = _project(ops, hidden, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        if layer.q_norm is not None:  # Qwen3: each head RMS-normalised over its head_size features
+            q = ops.rms_norm(q.unflatten(-1, (c.num_heads, c.head_size)), layer.q_norm, c.rms_norm_eps).flatten(-2)
+            k = ops.rms_norm(k.unflatten(-1, (c.num_kv_heads, c.head_size)), layer.k_norm, c.rms_norm_eps).flatten(-2)
         ops.rotary_embedding(positions, q, k, c.head_size, self.cos_sin_cache, True)  # HF rotates halves: NeoX
         q = q.unflatten(-1, (c.num_heads, c.head_size))  # views: [tokens, heads, head_size]
         k = k.unflatten(-1, (c.num_kv_heads, c.head_size))
@@ -296,6 +321,10 @@ class LlamaModel:
         return _project(ops, out.flatten(-2), layer.o_weight, layer.o_scale, layer.o_bias)
 
     def _mlp(self, ops: BoundOps, layer: _Layer, hidden: torch.Tensor) -> torch.Tensor:
+        if layer.w13 is not None:  # a mixture-of-experts layer: the router, then the experts in one op
+            moe = self.config.moe
+            router_logits = ops.linear(hidden, layer.router_weight)
+            return ops.fused_moe(hidden, router_logits, layer.w13, layer.w2, moe.top_k, "softmax", moe.renormalize)
         gate, up = _project(ops, hidden, layer.gate_up_weight, layer.gate_up_scale).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
         return _project(ops, act, layer.down_weight, layer.down_scale)

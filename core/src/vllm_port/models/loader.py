@@ -41,6 +41,7 @@ __all__ = [
     "check_fits",
     "checking_weights",
     "expected_weights",
+    "expert_weight_names",
     "fp8_weights",
     "load_weights",
 ]
@@ -86,13 +87,49 @@ def expected_weights(config: ModelConfig) -> dict[str, WeightSpec]:
         specs[p + "self_attn.o_proj.weight"] = WeightSpec((c.hidden_size, c.q_size), f"[{hidden}, {q}]")
         if c.o_proj_bias:
             specs[p + "self_attn.o_proj.bias"] = WeightSpec((c.hidden_size,), f"[{hidden}]")
+        if c.qk_norm:
+            specs[p + "self_attn.q_norm.weight"] = WeightSpec((c.head_size,), f"[head_dim={c.head_size}]")
+            specs[p + "self_attn.k_norm.weight"] = WeightSpec((c.head_size,), f"[head_dim={c.head_size}]")
         specs[p + "post_attention_layernorm.weight"] = WeightSpec((c.hidden_size,), f"[{hidden}]")
+        if c.moe is not None and c.moe.sparse_layers[i]:
+            specs.update(_expert_specs(c, i))
+            continue
         specs[p + "mlp.gate_proj.weight"] = WeightSpec((c.intermediate_size, c.hidden_size), f"[{mlp}, {hidden}]")
         specs[p + "mlp.up_proj.weight"] = WeightSpec((c.intermediate_size, c.hidden_size), f"[{mlp}, {hidden}]")
         specs[p + "mlp.down_proj.weight"] = WeightSpec((c.hidden_size, c.intermediate_size), f"[{hidden}, {mlp}]")
     specs["model.norm.weight"] = WeightSpec((c.hidden_size,), f"[{hidden}]")
     if not c.tie_word_embeddings:
         specs["lm_head.weight"] = WeightSpec((c.vocab_size, c.hidden_size), f"[vocab_size, {hidden}]")
+    return specs
+
+
+#: Each expert's (gate, up, down) names and the router's, by architecture, as Hugging Face writes them.
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def expert_weight_names(config: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """A MoE layer's router weight name and each expert's ``(gate, up, down)`` weight names."""
+    router, expert, (gate, up, down) = _EXPERT_NAMES[config.architecture]
+    p = f"model.layers.{layer}."
+    experts = [
+        tuple(p + expert.format(e=e) + part + ".weight" for part in (gate, up, down))
+        for e in range(config.moe.num_experts)
+    ]
+    return p + router + ".weight", experts
+
+
+def _expert_specs(c: ModelConfig, layer: int) -> dict[str, WeightSpec]:
+    m = c.moe
+    hidden, width = f"hidden_size={c.hidden_size}", f"expert intermediate size {m.intermediate_size}"
+    router, experts = expert_weight_names(c, layer)
+    specs = {router: WeightSpec((m.num_experts, c.hidden_size), f"[num_experts={m.num_experts}, {hidden}]")}
+    for gate, up, down in experts:
+        specs[gate] = WeightSpec((m.intermediate_size, c.hidden_size), f"[{width}, {hidden}]")
+        specs[up] = WeightSpec((m.intermediate_size, c.hidden_size), f"[{width}, {hidden}]")
+        specs[down] = WeightSpec((c.hidden_size, m.intermediate_size), f"[{hidden}, {width}]")
     return specs
 
 

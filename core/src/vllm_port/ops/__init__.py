@@ -22,6 +22,7 @@ from .checks import (
     check_embedding,
     check_fp8_linear,
     check_fused_add_rms_norm,
+    check_fused_moe,
     check_gelu_and_mul,
     check_linear,
     check_paged_attention,
@@ -41,12 +42,13 @@ from .fp8 import fp8_linear
 from .kv_fp8 import paged_attention_fp8, prefill_attention_fp8, reshape_and_cache_fp8
 from .linear import embedding, linear
 from .logits import process_logits, top_logprobs
+from .moe import fused_moe
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import make_cos_sin_cache, rotary_embedding
 from .sampling import sample
 
-#: Every op of the contract, in the order a Llama forward pass meets them (logits processed, a token drawn,
-#: its logprobs).
+#: Every op of the contract, in the order a Llama forward pass meets them (a MoE layer's experts in place of
+#: the MLP; logits processed, a token drawn, its logprobs).
 ALL_OPS: tuple[Op, ...] = (
     embedding,
     rms_norm,
@@ -62,6 +64,7 @@ ALL_OPS: tuple[Op, ...] = (
     paged_attention_fp8,
     silu_and_mul,
     gelu_and_mul,
+    fused_moe,
     process_logits,
     sample,
     top_logprobs,
@@ -85,6 +88,7 @@ __all__ = [
     "check_embedding",
     "check_fp8_linear",
     "check_fused_add_rms_norm",
+    "check_fused_moe",
     "check_gelu_and_mul",
     "check_linear",
     "check_paged_attention",
@@ -102,6 +106,7 @@ __all__ = [
     "embedding",
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_and_mul",
     "linear",
     "make_cos_sin_cache",

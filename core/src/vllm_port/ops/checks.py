@@ -26,7 +26,7 @@ fix::
   starting at 0, non-decreasing, ending at ``query``'s token count, every query length within
   ``max_query_len`` and its sequence's length, temperatures finite and >= 0, top_p in (0, 1], no NaN
   logit, penalties finite (repetition > 0), min_p in [0, 1], biases finite or -inf, counts >= 0,
-  logprob token ids within the vocabulary. Reading a tensor's values on an accelerator waits for the device (and is illegal under
+  logprob token ids within the vocabulary, no NaN router logit. Reading a tensor's values on an accelerator waits for the device (and is illegal under
   CUDA/HIP graph capture), and even on the CPU these checks cost a few to tens of microseconds per
   call, repeated by every layer of a step; the engine builds these tensors itself, so in
   production they are trusted, and a bad one is found by turning validation on. Conformance
@@ -49,6 +49,7 @@ from .fp8 import check_fp8_linear
 from .kv_fp8 import check_paged_attention_fp8, check_prefill_attention_fp8, check_reshape_and_cache_fp8
 from .linear import check_embedding, check_linear
 from .logits import check_process_logits, check_top_logprobs
+from .moe import check_fused_moe
 from .norm import check_fused_add_rms_norm, check_rms_norm
 from .rotary import check_rotary_embedding
 from .sampling import check_sample
@@ -59,6 +60,7 @@ __all__ = [
     "check_embedding",
     "check_fp8_linear",
     "check_fused_add_rms_norm",
+    "check_fused_moe",
     "check_gelu_and_mul",
     "check_linear",
     "check_paged_attention",
@@ -93,6 +95,7 @@ INPUT_CHECKS: dict[str, Callable[..., object]] = {
     "paged_attention_fp8": check_paged_attention_fp8,
     "silu_and_mul": check_silu_and_mul,
     "gelu_and_mul": check_gelu_and_mul,
+    "fused_moe": check_fused_moe,
     "process_logits": check_process_logits,
     "sample": check_sample,
     "top_logprobs": check_top_logprobs,

@@ -20,7 +20,7 @@ from vllm_port.ops.linear import check_embedding, check_linear
 from vllm_port.ops.norm import check_fused_add_rms_norm, check_rms_norm
 from vllm_port.ops.rotary import check_rotary_embedding
 
-from . import attention, native, sampling
+from . import attention, moe, native, sampling
 
 __all__ = ["PROVIDERS"]
 
@@ -174,6 +174,7 @@ PROVIDERS: list[Provider] = [
     attention.paged_attention_fp8,
     silu_and_mul,
     gelu_and_mul,
+    moe.fused_moe,
     sampling.process_logits,
     sampling.sample,
     sampling.top_logprobs,

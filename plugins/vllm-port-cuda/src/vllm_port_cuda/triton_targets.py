@@ -9,7 +9,7 @@ whose tiles fit every visible GPU. Plain data: importing this module needs no Tr
 
 from __future__ import annotations
 
-from vllm_port.kernels.triton_target import TritonTarget
+from vllm_port.kernels.triton_target import MoeTiles, TritonTarget
 
 __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 
@@ -26,7 +26,11 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 #: platform's 128-token blocks), every head's heaviest query block launched first (8k tokens: 1,095 us against
 #: 1,173 for 128 x 128 tiles over 8 warps one head at a time); decode streams 64-key tiles over 4 warps, 2 stages
 #: deep, splits each sequence's keys until about 8 programs per SM run, each split at least 8 tiles (1 x 32k:
-#: 64 splits).
+#: 64 splits). ``fused_moe`` (chosen from first principles until ``vllm-port bench moe`` measures them on an
+#: H200): up to 64 tokens, 16 pair rows by 32 columns with 128 bfloat16 of a weight row per step (4 stages in
+#: flight; narrow columns give one token's 8 experts of Qwen3-30B-A3B 192 gate/up programs, more than the 132
+#: SMs, each streaming its expert's weight rows once); above, 64 x 128 tiles stepping 64 deep over 4 warps,
+#: 3 stages (the grouped GEMM of prefill): 80 and 120 KiB of shared memory in bfloat16.
 #: ``fp8_linear`` multiplies e4m3 operands on the FP8 tensor cores (``fp8_dot``), with ``TritonTarget``'s default
 #: tiles until ``vllm-port bench fp8-linear`` has been run on an H200: at decode 16-row tiles of 64 outputs, 256
 #: input features a step (256 bytes of each weight row), 4 stages, the reduction split to 4 programs per SM; at
@@ -48,15 +52,25 @@ CUDA = TritonTarget(
     prefill_tma=True,
     prefill_order="all_heads",
     linear_max_rows=0,
+    moe_small=MoeTiles(16, 32, 128, 4, 4),
+    moe_large=MoeTiles(64, 128, 64, 4, 3),
     fp8_dot=True,
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
 #: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:
-#: Q 32 KiB + 3 x 32 KiB of K/V for bf16 x 128), gathering K/V rows with cp.async.
-CUDA_AMPERE = TritonTarget("cuda-ampere", elementwise_block=2048, linear_max_rows=0)
+#: Q 32 KiB + 3 x 32 KiB of K/V for bf16 x 128), gathering K/V rows with cp.async;
+#: ``fused_moe`` with Hopper's tiles (up to 120 KiB of its 163).
+CUDA_AMPERE = TritonTarget(
+    "cuda-ampere",
+    elementwise_block=2048,
+    linear_max_rows=0,
+    moe_small=MoeTiles(16, 32, 128, 4, 4),
+    moe_large=MoeTiles(64, 128, 64, 4, 3),
+)
 #: NVIDIA parts with at most 99 KiB of shared memory a block (sm_86, sm_89, sm_120: consumer Ampere, Ada,
 #: consumer Blackwell): 64 x 64 prefill tiles over 4 warps, 2 stages (16 + 2 x 32 KiB for bf16 x 128). ``target_for``
-#: drops to one stage where even that does not fit (Turing's 64 KiB).
+#: drops to one stage where even that does not fit (Turing's 64 KiB). ``fused_moe`` keeps the default tiles (two
+#: stages of 20 and 24 KiB).
 CUDA_COMPACT = TritonTarget(
     "cuda-compact",
     elementwise_block=2048,

@@ -13,13 +13,14 @@ Importing this package imports ``triton``.
 from __future__ import annotations
 
 from ...ops import FLOAT_DTYPES, Provider
-from ..triton_target import INTERPRETER, LinearTiles, MatmulTiles, TritonTarget
+from ..triton_target import INTERPRETER, LinearTiles, MatmulTiles, MoeTiles, TritonTarget
 from .swap import swap_blocks
 
 __all__ = [
     "INTERPRETER",
     "LinearTiles",
     "MatmulTiles",
+    "MoeTiles",
     "TritonTarget",
     "kernel_classes",
     "providers",
@@ -36,6 +37,7 @@ def kernel_classes() -> list[type]:
     from .kv_fp8 import Fp8CacheKernels
     from .linear import LinearKernels
     from .logits import LogitsKernels
+    from .moe import MoeKernels
     from .norm import NormKernels
     from .rotary import RotaryKernels
     from .sampling import SamplingKernels
@@ -49,6 +51,7 @@ def kernel_classes() -> list[type]:
         SamplingKernels,
         LogitsKernels,
         LinearKernels,
+        MoeKernels,
         Fp8LinearKernels,
         Fp8CacheKernels,
     ]
