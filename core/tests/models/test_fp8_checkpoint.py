@@ -185,3 +185,14 @@ def test_an_fp8_checkpoint_refuses_tensor_parallelism_naming_why(tmp_path):
     write_fp8_checkpoint(tmp_path / "fp8", "fp8 per tensor (vLLM)")
     with pytest.raises(ModelLoadError, match=r"quantization_config makes an FP8 checkpoint.*tensor_parallel_size > 1"):
         LLM(str(tmp_path / "fp8"), device="cpu", tensor_parallel_size=2, kv_cache_memory=4 << 20)
+
+
+def test_an_fp8_mixture_of_experts_checkpoint_is_refused_naming_the_field(tmp_path):
+    write_fp8_checkpoint(tmp_path, "fp8 per tensor (vLLM)")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ModelLoadError, match=r"field 'quantization_config' makes an FP8 checkpoint of a mixture-of-experts"
+    ):
+        load_model(tmp_path, torch.device("cpu"), torch.float32)
