@@ -92,6 +92,7 @@ def compile_prefill(target: TritonTarget = CUDA, head: int = 128, group: int = 4
         "scale": "fp32",
         "soft_cap": "fp32",
         "sliding_window": "i32",
+        "out_scale": "fp32",
         **dict.fromkeys(strides, "i32"),
         "k_desc": desc,
         "v_desc": desc,

@@ -260,6 +260,7 @@ def render(report: dict[str, Any]) -> str:
             "",
             f"Ops (bound provider for {str(REPORT_DTYPE).removeprefix('torch.')}; smoke test over float32/bfloat16/float16):",
         ]
+        width = max(20, *(len(name) for name in report["ops"]))  # the FP8 cache ops' names pass 20 characters
         for name, info in report["ops"].items():
             others = ", ".join(
                 c["provider"]
@@ -268,13 +269,13 @@ def render(report: dict[str, Any]) -> str:
                 for c in info["candidates"]
             )
             verdict = report["smoke"].get(name, "not run")
-            lines.append(f"  {name:<20} {info['provider']!s:<22} {verdict}")
-            lines.append(f"  {'':<20} candidates: {others}")
+            lines.append(f"  {name:<{width}} {info['provider']!s:<25} {verdict}")
+            lines.append(f"  {'':<{width}} candidates: {others}")
             lines += [
-                f"  {'':<20} ! failed: {f['provider']} ({f['plugin']}) {f['dtype']}: {f['reason']} -> {f['instead']} serves instead"
+                f"  {'':<{width}} ! failed: {f['provider']} ({f['plugin']}) {f['dtype']}: {f['reason']} -> {f['instead']} serves instead"
                 for f in info.get("failed", [])
             ]
-            lines += [f"  {'':<20} ! slow: {warning}" for warning in info.get("slow", [])]
+            lines += [f"  {'':<{width}} ! slow: {warning}" for warning in info.get("slow", [])]
     memory, comm = report.get("memory") or {}, report.get("comm") or {}
     if memory:
         lines.append("")

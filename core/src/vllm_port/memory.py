@@ -527,6 +527,8 @@ class TorchMigrator:
         return MigrationHandle(self, reads, writes, holds, event)
 
     def _launch(self, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> Any:
+        if src.dtype.is_floating_point and src.element_size() == 1:  # float8 (an FP8 KV cache): torch's index
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)  # copies have no kernel for it; bytes are bytes
         device = dst.device if dst.device.type != "cpu" else src.device
         if device.type == "cpu":
             dst.index_copy_(0, torch.tensor(dst_ids), src.index_select(0, torch.tensor(src_ids)))

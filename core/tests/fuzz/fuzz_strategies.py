@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from vllm_port.ops import ALL_OPS
+from vllm_port.ops.fp8 import quantize_fp8_weight
+from vllm_port.ops.kv_fp8 import quantize_kv
 from vllm_port.ops.rotary import make_cos_sin_cache
 
 NAN = float("nan")
@@ -158,6 +161,21 @@ def linear_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
     weight = layout(draw, randn(g, (n, k), dtype, k**-0.5))
     bias = layout(draw, randn(g, (n,), dtype), ("plain", "offset", "step")) if draw(st.booleans()) else None
     return Case("linear", dtype, (x, weight, bias))
+
+
+GRANULARITIES = ("tensor", "channel", "group")
+OPS_BY_NAME = {op.name: op for op in ALL_OPS}
+
+
+@st.composite
+def fp8_linear_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
+    g, dtype = generator(draw), dtype or draw(float_dtypes)
+    k, n = draw(st.integers(1, 300)), draw(st.integers(1, 64))
+    shape = (*lead_dims(draw, max_dims=2, max_size=6), k)
+    x = layout(draw, randn(g, shape, dtype))
+    weight, scale = quantize_fp8_weight(randn(g, (n, k), torch.float32, k**-0.5), draw(st.sampled_from(GRANULARITIES)))
+    bias = layout(draw, randn(g, (n,), dtype), ("plain", "offset", "step")) if draw(st.booleans()) else None
+    return Case("fp8_linear", dtype, (x, layout(draw, weight), scale, bias))
 
 
 @st.composite
@@ -415,11 +433,51 @@ def fused_moe_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
 
 
 #: op name -> strategy of valid cases, for any dtype (or the one given)
+#: The FP8 cache ops: their float op, and where its caches are among the arguments.
+FP8_CACHE_OPS = {
+    "reshape_and_cache_fp8": ("reshape_and_cache", (2, 3)),
+    "paged_attention_fp8": ("paged_attention", (1, 2)),
+    "prefill_attention_fp8": ("prefill_attention", (1, 2)),
+}
+
+
+def _fp8_cache_case(op: str) -> Callable[..., st.SearchStrategy[Case]]:
+    """Cases of an FP8 cache op: its float op's, the caches in e4m3 under drawn scales (NaN poison kept)."""
+    base, caches = FP8_CACHE_OPS[op]
+
+    @st.composite
+    def case(draw: st.DrawFn, dtype: torch.dtype | None = None, **limits: Any) -> Case:
+        c = draw(VALID[base](dtype, **limits))
+        params = list(OPS_BY_NAME[base].signature.parameters.values())
+        args = [*c.args, *(p.default for p in params[len(c.args) :])]
+        scales = [draw(st.sampled_from([1.0, 0.05, 3.0])) for _ in caches]
+        for i, scale in zip(caches, scales, strict=True):
+            args[i] = quantize_kv(args[i], scale)
+        return Case(op, c.dtype, (*args, *scales))
+
+    return case
+
+
+def _fp8_cache_violations(op: str) -> list[Violation]:
+    """The float op's violations that still break the FP8 op (not a dtype that no longer has to match), and its own."""
+    base, caches = FP8_CACHE_OPS[op]
+    inputs = [i for i in range(3) if i not in caches]  # query, or key and value
+    kept = [v for v in VIOLATIONS[base] if not any(v[0] == f"arg {i} of another float dtype" for i in inputs)]
+    n = len(OPS_BY_NAME[base].signature.parameters)
+    return [
+        *kept,
+        _set(caches[0], lambda c: c.to(torch.bfloat16), "a bfloat16 key cache"),
+        _set(n, lambda s: 0.0, "a zero k_scale"),
+        _set(n + 1, lambda s: float("nan"), "a NaN v_scale"),
+    ]
+
+
 VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "embedding": embedding_case,
     "rms_norm": rms_norm_case,
     "fused_add_rms_norm": lambda dtype=None: rms_norm_case(dtype, fused=True),
     "linear": linear_case,
+    "fp8_linear": fp8_linear_case,
     "rotary_embedding": rotary_case,
     "reshape_and_cache": reshape_and_cache_case,
     "prefill_attention": prefill_attention_case,
@@ -431,6 +489,7 @@ VALID: dict[str, Callable[..., st.SearchStrategy[Case]]] = {
     "process_logits": process_logits_case,
     "top_logprobs": top_logprobs_case,
 }
+VALID.update({op: _fp8_cache_case(op) for op in FP8_CACHE_OPS})
 
 
 def valid_cases(op: str, **limits: Any) -> st.SearchStrategy[Case]:
@@ -607,6 +666,29 @@ def _linear_violations() -> list[Violation]:
         ("bias of another dtype", has_bias, lambda d, a: a.__setitem__(2, a[2].to(torch.float64)), False),
         ("bias on another device", has_bias, lambda d, a: a.__setitem__(2, a[2].to("meta")), False),
         ("2-D bias", has_bias, lambda d, a: a.__setitem__(2, a[2][None]), False),
+    ]
+
+
+def _fp8_linear_violations() -> list[Violation]:
+    def has_bias(a: Args) -> bool:
+        return a[3] is not None
+
+    def zero_scale(draw: st.DrawFn, a: Args) -> None:
+        scale = a[2].clone()
+        scale.view(-1)[draw(st.integers(0, scale.numel() - 1))] = 0.0
+        a[2] = scale
+
+    return [
+        _to_dtype(0, torch.int32, "integer x"),
+        _to_dtype(1, torch.bfloat16, "a float weight"),
+        _to_dtype(1, torch.float8_e5m2, "an e5m2 weight"),
+        _resize(1, 1, 1, "in_features one more"),
+        _rank(1, "3-D weight"),
+        _to_dtype(2, torch.bfloat16, "a bfloat16 scale"),
+        _set(2, lambda s: s.reshape(1, 1, -1), "a 3-D scale"),
+        ("bias of another dtype", has_bias, lambda d, a: a.__setitem__(3, a[3].to(torch.float64)), False),
+        ("2-D bias", has_bias, lambda d, a: a.__setitem__(3, a[3][None]), False),
+        _value("a zero scale", _always, zero_scale),
     ]
 
 
@@ -915,6 +997,7 @@ VIOLATIONS: dict[str, list[Violation]] = {
     "rms_norm": _norm_violations(fused=False),
     "fused_add_rms_norm": _norm_violations(fused=True),
     "linear": _linear_violations(),
+    "fp8_linear": _fp8_linear_violations(),
     "rotary_embedding": _rotary_violations(),
     "reshape_and_cache": _cache_violations(),
     "prefill_attention": _attention_violations(prefill=True),
@@ -926,6 +1009,7 @@ VIOLATIONS: dict[str, list[Violation]] = {
     "process_logits": _process_logits_violations(),
     "top_logprobs": _top_logprobs_violations(),
 }
+VIOLATIONS.update({op: _fp8_cache_violations(op) for op in FP8_CACHE_OPS})
 
 
 @st.composite

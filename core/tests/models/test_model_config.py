@@ -113,7 +113,7 @@ BAD_CONFIGS = {
     ),
     "gelu mlp": (_broken(hidden_act="gelu"), r"field 'hidden_act' is 'gelu'"),
     "mlp bias": (_broken(mlp_bias=True), r"field 'mlp_bias' is True"),
-    "quantized": (_broken(quantization_config={"quant_method": "awq"}), r"quantized checkpoint"),
+    "quantized": (_broken(quantization_config={"quant_method": "awq"}), r"quantization_config.quant_method. is .awq"),
     "integer dtype": (_broken(torch_dtype="int8"), r"field 'torch_dtype' is 'int8'"),
     "tie as a string": (_broken(tie_word_embeddings="no"), r"field 'tie_word_embeddings' .* true or false"),
     "bad eos": (_broken(eos_token_id="</s>"), r"field 'eos_token_id' .* token id"),

@@ -15,6 +15,8 @@ from vllm_port.errors import OpInputError
 from vllm_port.ops._custom import as_custom_op
 from vllm_port.ops.checks import validation
 
+#: float8 dtypes (torch.allclose has no kernel for them)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: A failure message quotes at most this many characters of each failing case's problem.
 _PROBLEM_CHARS = 300
 
@@ -81,4 +83,8 @@ def test_provider_traces_as_a_custom_op(plugin, provider_case):
     plugin.require_device()
     op = plugin.discovery.registry.ops[provider.op]
     sample = op.samples(dtype, plugin.device, torch.Generator().manual_seed(0))[0]
-    torch.library.opcheck(as_custom_op(op, provider), sample.args, test_utils=("test_schema", "test_faketensor"))
+    # torch's schema check compares arguments with allclose, which float8 tensors lack (fp8_linear's weight):
+    # there the fake tensor test runs alone, and the op's own check finds writes to what it only reads.
+    fp8 = any(isinstance(a, torch.Tensor) and a.dtype in _FP8_DTYPES for a in sample.args)
+    tests = ("test_faketensor",) if fp8 else ("test_schema", "test_faketensor")
+    torch.library.opcheck(as_custom_op(op, provider), sample.args, test_utils=tests)

@@ -247,6 +247,23 @@ def _run_moe(args: argparse.Namespace) -> int:
     return moe.main(args.device, args.shape, tokens, args.dtype, args.json, sweep=args.sweep)
 
 
+def _fp8_linear_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", default="1,16,256,4096", help="comma-separated token counts (default 1,16,256,4096)")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    add_json_file_flag(parser, "write the results to this JSON file")
+
+
+def _run_fp8_linear(args: argparse.Namespace) -> int:
+    from . import fp8_linear
+
+    shapes = tuple(args.shapes.split(",")) if args.shapes else tuple(fp8_linear.SHAPES)
+    unknown = [s for s in shapes if s not in fp8_linear.SHAPES]
+    if unknown:
+        print(f"error: unknown shapes {unknown}; known: {', '.join(fp8_linear.SHAPES)}", file=sys.stderr)
+        return 2
+    return fp8_linear.main(args.json, tuple(int(m) for m in args.rows.split(",")), shapes)
+
+
 KINDS: dict[str, BenchKind] = {
     "dispatch": BenchKind("overhead of calling a bound op on CPU", _dispatch_arguments, _run_dispatch),
     "ops": BenchKind(
@@ -282,6 +299,11 @@ KINDS: dict[str, BenchKind] = {
         "streaming clients against vllm-port serve, some leaving mid-stream: well formed, equal, no leak",
         _serve_load_arguments,
         _run_serve_load,
+    ),
+    "fp8-linear": BenchKind(
+        "the Triton fp8_linear beside torch._scaled_mm (cuBLASLt) and bf16 matmul at Llama-3-8B shapes (needs a GPU)",
+        _fp8_linear_arguments,
+        _run_fp8_linear,
     ),
     "placement": BenchKind(
         "decode tok/s with the MLPs or LM head on the host under a device budget, vs all on the host",

@@ -26,7 +26,10 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
     from .runner import ModelRunner, StepFunction
 
-__all__ = ["EngineConfig"]
+__all__ = ["KV_CACHE_DTYPES", "EngineConfig"]
+
+#: ``LLM(kv_cache_dtype=...)``'s values: ``"auto"`` caches in the model's dtype, the others in float8 e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class EngineConfig:
     tokenizer: str | os.PathLike[str] | None = None
     tokenizer_mode: str = "auto"
     trust_remote_code: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # the cheap checks, all before anything loads: importing moves, casts and traces the user's module
@@ -133,6 +137,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or _is_int(v), "None or an int"),
     "plugins": (lambda v: v is None or isinstance(v, str), "None or an allow/deny list such as 'cpu' or '-rocm'"),
     "enforce_eager": (lambda v: isinstance(v, bool), "True or False"),
+    "kv_cache_dtype": (
+        lambda v: v in KV_CACHE_DTYPES,
+        "'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (float8 e4m3 with scales of 1.0, vLLM's spelling); "
+        "'fp8_e5m2' and 'fp8_inc' are not supported",
+    ),
     "gpu_memory_utilization": (
         lambda v: v is None or (_is_number(v) and 0.0 < v <= 1.0),
         "None or a fraction in (0, 1] of the device's total memory the engine may use in all (weights, activations "

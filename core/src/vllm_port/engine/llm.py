@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ..data import bundled_model_dir
-from ..errors import VllmPortError
+from ..errors import ModelLoadError, VllmPortError
 from ..memory import host_memory
 from ..models import load_config
 from ..models.loader import check_fits
@@ -274,6 +274,9 @@ class LLM:
     :param tokenizer_mode: ``"auto"`` (or ``"hf"``): the ``tokenizer.json`` through the ``tokenizers``
         library, the only kind this engine reads.
     :param trust_remote_code: ``False`` only: the engine never runs code from a model directory.
+    :param kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"fp8"`` (``"fp8_e4m3"``): the paged KV cache in
+        float8 e4m3 with scales of 1.0 (vLLM's default), a block taking half of bfloat16's bytes, so the same
+        memory holds twice the tokens; attention reads it through the ``*_fp8`` cache ops.
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -303,6 +306,7 @@ class LLM:
         tokenizer: str | os.PathLike[str] | None = None,
         tokenizer_mode: str = "auto",
         trust_remote_code: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
         del arguments["self"]
@@ -1198,11 +1202,24 @@ def _make_scheduler(config: EngineConfig, runtime: Runtime, runner: Any, max_mod
     )
 
 
+def _refuse_fp8_beyond_one_device(config: EngineConfig, model: _OpenedModel) -> None:
+    """FP8 checkpoints run on one platform: their scales are not sharded over ranks nor placed beside their weights."""
+    if getattr(model.config, "quantization", None) is None:
+        return
+    mode = "tensor_parallel_size > 1" if config.tensor_parallel_size != 1 else "placement/devices"
+    if config.tensor_parallel_size != 1 or config.places:
+        raise ModelLoadError(
+            f"{model.model_dir}: config.json's quantization_config makes an FP8 checkpoint, which runs on one device "
+            f"so far ({mode} would split the projections from their scales); use tensor_parallel_size=1 and no placement"
+        )
+
+
 def _make_runner(
     config: EngineConfig, runtime: Runtime, model: _OpenedModel, placement: Any, sizing: _CacheSizing
 ) -> Any:
     """The runner of ``config``'s mode: a ``ModelRunner`` in this process (plain, imported or placed), or
     a ``TensorParallelRunner`` over ``tensor_parallel_size`` worker ranks."""
+    _refuse_fp8_beyond_one_device(config, model)
     if config.tensor_parallel_size == 1:
         return ModelRunner(
             runtime,
@@ -1210,10 +1227,16 @@ def _make_runner(
             model.dtype,
             make_step=config.make_step,
             placement=placement,
+            kv_cache_dtype=config.kv_cache_dtype,
             **sizing.runner_arguments(),
         )
     from .tensor_parallel import TensorParallelRunner
 
     return TensorParallelRunner(
-        runtime, model.weights, model.dtype, config.tensor_parallel_size, **sizing.runner_arguments()
+        runtime,
+        model.weights,
+        model.dtype,
+        config.tensor_parallel_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        **sizing.runner_arguments(),
     )

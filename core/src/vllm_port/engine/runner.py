@@ -124,6 +124,8 @@ class ModelRunner:
         its step (unless ``make_step`` is given).
     :param max_positions: positions the rotary table of a model loaded from a directory covers
         (default: the config's ``max_position_embeddings``); the engine passes its ``max_model_len``.
+    :param kv_cache_dtype: ``"auto"``: the cache in the model's dtype; ``"fp8"``/``"fp8_e4m3"``: in float8 e4m3
+        (the pool's blocks sized by it), which the model reads and writes through the ``*_fp8`` cache ops.
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class ModelRunner:
         device: torch.device | None = None,
         placement: Any = None,
         max_positions: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.runtime = runtime
         self.device = device or runtime.device
@@ -157,7 +160,10 @@ class ModelRunner:
         self.num_steps = 0
         self.block_size = block_size
         c = model.config
-        self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_size, block_size, model.dtype)
+        # "fp8": the cache in e4m3 (half of bfloat16's bytes a block: the pool holds twice the blocks), read and
+        # written by the *_fp8 cache ops (the model sees the cache's dtype)
+        cache_dtype = model.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_size, block_size, cache_dtype)
         budget = _budget(runtime, kv_cache_memory, self.layout, max_tokens)
         if placement is not None:
             self.kv = placement.kv_cache(self.layout, budget, swap_space)
@@ -479,6 +485,8 @@ class ModelRunner:
         with torch.inference_mode():
             for key_cache, value_cache in self.kv_caches:
                 for cache in (key_cache, value_cache):
+                    if cache.element_size() == 1:  # an FP8 cache: copied as bytes (no float8 index_copy_)
+                        cache = cache.view(torch.uint8)
                     src, dst = (torch.tensor(ids, device=cache.device) for ids in zip(*pairs, strict=True))
                     cache.index_copy_(0, dst, cache.index_select(0, src))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["INTERPRETER", "PREFILL_ORDERS", "LinearTiles", "MoeTiles", "TritonTarget"]
+__all__ = ["INTERPRETER", "PREFILL_ORDERS", "LinearTiles", "MatmulTiles", "MoeTiles", "TritonTarget"]
 
 
 #: The launch orders prefill attention knows (``TritonTarget.prefill_order``).
@@ -62,6 +62,27 @@ class MoeTiles:
 
 
 @dataclass(frozen=True)
+class MatmulTiles:
+    """Launch configuration of one path of the ``fp8_linear`` kernel (``fp8_linear.py``).
+
+    Attributes:
+        block_m: rows (tokens) per program; the skinny path pads fewer rows to a power of two >= 16.
+        block_n: output features per program.
+        block_k: input features per step (at most 128 with per-group scales).
+        warps: warps per program.
+        stages: software-pipelining depth of the loads.
+        waves: split the reduction until about this many programs per multiprocessor run (0: never).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    waves: int = 0
+
+
+@dataclass(frozen=True)
 class TritonTarget:
     """Launch configuration of one GPU family.
 
@@ -96,6 +117,12 @@ class TritonTarget:
             (decode: each active expert's weights read once, by many narrow programs).
         moe_large: its tiles for larger batches (prefill: a grouped GEMM of wide tiles).
         moe_small_tokens: the most tokens ``moe_small`` serves.
+        fp8_skinny_rows: the most rows ``fp8_linear`` runs with ``fp8_skinny`` (split-K, decode); more take
+            ``fp8_wide``. 0 declines ``fp8_linear`` at bind time.
+        fp8_skinny: tiles of ``fp8_linear`` at decode.
+        fp8_wide: tiles of ``fp8_linear`` at prefill.
+        fp8_dot: the GPU multiplies e4m3 operands in ``tl.dot`` (sm_89 and newer); otherwise they are widened to
+            bfloat16 first (exact), the weight still read at one byte an element.
     """
 
     name: str
@@ -122,6 +149,10 @@ class TritonTarget:
     moe_small: MoeTiles = MoeTiles(16, 32, 128, 4, 2)
     moe_large: MoeTiles = MoeTiles(64, 64, 64, 4, 2)
     moe_small_tokens: int = 64
+    fp8_skinny_rows: int = 64
+    fp8_skinny: MatmulTiles = MatmulTiles(16, 64, 256, 4, 4, 4)
+    fp8_wide: MatmulTiles = MatmulTiles(128, 128, 128, 8, 3)
+    fp8_dot: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_order not in PREFILL_ORDERS:
@@ -146,4 +177,7 @@ INTERPRETER = TritonTarget(
     moe_small=MoeTiles(16, 16, 16, 4, 1),
     moe_large=MoeTiles(32, 32, 32, 4, 1),
     moe_small_tokens=8,
+    fp8_skinny_rows=16,
+    fp8_skinny=MatmulTiles(16, 32, 64, 4, 1, 4),
+    fp8_wide=MatmulTiles(32, 32, 64, 4, 1),
 )

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
+from .quantization import Fp8Checkpoint, read_quantization
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -129,6 +130,7 @@ class ModelConfig:
         qk_norm: each query and key head is RMS-normalised before the rotary embedding (Qwen3): one
             ``rms_norm`` call over ``[tokens, heads, head_size]`` with a ``[head_size]`` weight.
         moe: the experts of a mixture-of-experts model (None for a dense one).
+        quantization: how an FP8 checkpoint stores its projections (``quantization_config``), None for float weights.
     """
 
     architecture: str
@@ -151,6 +153,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False
     moe: MoeConfig | None = None
+    quantization: Fp8Checkpoint | None = None
 
     @property
     def q_size(self) -> int:
@@ -545,11 +548,6 @@ def _top_k(fields: _Fields, experts: int) -> int:
 
 
 def _refuse_unsupported(fields: _Fields, architecture: str) -> None:
-    if fields.raw.get("quantization_config") is not None:
-        raise ModelLoadError(
-            f"{fields.path}: field 'quantization_config' marks a quantized checkpoint, which vllm-port does not "
-            "load; use the unquantized (bfloat16/float16/float32) weights"
-        )
     if fields.get_str("hidden_act", "silu") != "silu":
         raise fields.fail("hidden_act", "'silu' (the gated MLP of Llama-family models)")
     if architecture == "LlamaForCausalLM" and fields.get_bool("mlp_bias", False):
@@ -609,6 +607,13 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     if generation.exists():
         more = _Fields(generation, read_json(generation, "generation_config.json")).token_ids("eos_token_id")
         eos += tuple(t for t in more if t not in eos)
+    moe, quantization = _moe(fields, architecture, num_layers), read_quantization(path, fields.raw)
+    if moe is not None and quantization is not None:
+        raise ModelLoadError(
+            f"{path}: field 'quantization_config' makes an FP8 checkpoint of a mixture-of-experts model "
+            f"({architecture}); fused_moe takes float experts, so FP8 experts are not supported yet: use the "
+            "unquantized weights"
+        )
     return ModelConfig(
         architecture=architecture,
         vocab_size=fields.get_int("vocab_size"),
@@ -631,5 +636,6 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         bos_token_id=fields.get_int("bos_token_id", None, minimum=0),
         eos_token_ids=eos,
         qk_norm=architecture in _QK_NORM,
-        moe=_moe(fields, architecture, num_layers),
+        moe=moe,
+        quantization=quantization,
     )

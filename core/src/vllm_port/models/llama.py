@@ -26,7 +26,7 @@ import torch
 from ..errors import ModelLoadError
 from ..ops import BoundOps
 from .config import ModelConfig, load_config
-from .loader import check_dtype, expected_weights, expert_weight_names, load_weights
+from .loader import check_dtype, expected_weights, expert_weight_names, fp8_weights, load_weights
 
 __all__ = [
     "AttentionMetadata",
@@ -118,6 +118,8 @@ def paged_attention_step(
     ``q`` is ``[tokens, heads, head_size]``, ``k``/``v`` ``[tokens, kv_heads, head_size]``; returns ``q``'s shape.
     """
     key_cache, value_cache = kv_cache
+    if key_cache.dtype == torch.float8_e4m3fn:
+        return _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap)
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     if meta.is_decode:
         return ops.paged_attention(
@@ -135,6 +137,22 @@ def paged_attention_step(
         sliding_window,
         soft_cap,
     )
+
+
+#: The FP8 KV cache's scales: 1.0, vLLM's default for ``kv_cache_dtype="fp8"`` without calibrated scales (keys and
+#: values of Llama-family models stay well inside e4m3's +-448).
+KV_SCALE = 1.0
+
+
+def _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap) -> torch.Tensor:
+    """:func:`paged_attention_step` over an e4m3 cache: the ``*_fp8`` cache ops with :data:`KV_SCALE`."""
+    key_cache, value_cache = kv_cache
+    ops.reshape_and_cache_fp8(k, v, key_cache, value_cache, meta.slot_mapping, KV_SCALE, KV_SCALE)
+    if meta.is_decode:
+        return ops.paged_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
+                                       sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
+    return ops.prefill_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                     meta.max_query_len, scale, sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
 
 
 @dataclass
@@ -155,6 +173,11 @@ class _Layer:
     router_weight: torch.Tensor | None = None  # a MoE layer's router, [num_experts, hidden]
     w13: torch.Tensor | None = None  # its experts' gate and up rows, [num_experts, 2 * intermediate, hidden]
     w2: torch.Tensor | None = None  # its experts' down projections, [num_experts, hidden, intermediate]
+    # an FP8 checkpoint's float32 scales of the four (fused) projections, as fp8_linear takes them; None for float
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -200,6 +223,9 @@ class LlamaModel:
         def fuse(*names: str) -> torch.Tensor:
             return torch.cat([take(name) for name in names])
 
+        def scale(*names: str) -> torch.Tensor | None:  # FP8: the weights' scales, fused as the weights are
+            return fuse(*(name + "_scale" for name in names)) if self.config.quantization is not None else None
+
         qkv = [attn + f"{x}_proj." for x in "qkv"]
         c = self.config
         layer = _Layer(
@@ -214,6 +240,8 @@ class LlamaModel:
             next_norm=next_norm,
             q_norm=take(attn + "q_norm.weight") if c.qk_norm else None,
             k_norm=take(attn + "k_norm.weight") if c.qk_norm else None,
+            qkv_scale=scale(*(n + "weight" for n in qkv)),
+            o_scale=scale(attn + "o_proj.weight"),
         )
         if c.moe is not None and c.moe.sparse_layers[i]:
             router, experts = expert_weight_names(c, i)
@@ -222,8 +250,11 @@ class LlamaModel:
             layer.w13 = torch.stack([torch.cat([take(gate), take(up)]) for gate, up, _ in experts])
             layer.w2 = torch.stack([take(down) for _, _, down in experts])
         else:
-            layer.gate_up_weight = fuse(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+            gate_up = (mlp + "gate_proj.weight", mlp + "up_proj.weight")
+            layer.gate_up_weight = fuse(*gate_up)
             layer.down_weight = take(mlp + "down_proj.weight")
+            layer.gate_up_scale = scale(*gate_up)
+            layer.down_scale = scale(mlp + "down_proj.weight")
         return layer
 
     @property
@@ -277,7 +308,7 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         c = self.config
-        qkv = ops.linear(hidden, layer.qkv_weight, layer.qkv_bias)
+        qkv = _project(ops, hidden, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         if layer.q_norm is not None:  # Qwen3: each head RMS-normalised over its head_size features
             q = ops.rms_norm(q.unflatten(-1, (c.num_heads, c.head_size)), layer.q_norm, c.rms_norm_eps).flatten(-2)
@@ -287,25 +318,38 @@ class LlamaModel:
         k = k.unflatten(-1, (c.num_kv_heads, c.head_size))
         v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
         out = paged_attention_step(ops, q, k, v, kv_cache, meta, self.scale, c.sliding_window)
-        return ops.linear(out.flatten(-2), layer.o_weight, layer.o_bias)
+        return _project(ops, out.flatten(-2), layer.o_weight, layer.o_scale, layer.o_bias)
 
     def _mlp(self, ops: BoundOps, layer: _Layer, hidden: torch.Tensor) -> torch.Tensor:
         if layer.w13 is not None:  # a mixture-of-experts layer: the router, then the experts in one op
             moe = self.config.moe
             router_logits = ops.linear(hidden, layer.router_weight)
             return ops.fused_moe(hidden, router_logits, layer.w13, layer.w2, moe.top_k, "softmax", moe.renormalize)
-        gate, up = ops.linear(hidden, layer.gate_up_weight).chunk(2, dim=-1)
+        gate, up = _project(ops, hidden, layer.gate_up_weight, layer.gate_up_scale).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
-        return ops.linear(act, layer.down_weight)
+        return _project(ops, act, layer.down_weight, layer.down_scale)
 
     def compute_logits(self, ops: BoundOps, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` of hidden states ``[n, hidden_size]`` (the LM head, or the tied embedding)."""
         return ops.linear(hidden, self.lm_head)
 
 
+def _project(
+    ops: BoundOps, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``linear``, or ``fp8_linear`` for an FP8 checkpoint's projection (one with a scale)."""
+    if scale is None:
+        return ops.linear(x, weight, bias)
+    return ops.fp8_linear(x, weight, scale, bias)
+
+
 def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
     specs = expected_weights(config)
     first = weights.get("model.embed_tokens.weight")
+    fp8 = fp8_weights(config)
+    for name in fp8:
+        if not isinstance(weights.get(name + "_scale"), torch.Tensor):
+            raise ModelLoadError(f"weights: tensor {name + '_scale'!r} is missing; the FP8 weight {name!r} needs it")
     for name, spec in specs.items():
         tensor = weights.get(name)
         if not isinstance(tensor, torch.Tensor):
@@ -314,7 +358,11 @@ def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> 
             raise ModelLoadError(
                 f"weights: tensor {name!r} has shape {list(tensor.shape)}; the config implies {list(spec.shape)} ({spec.why})"
             )
-        if first is not None and (tensor.dtype != first.dtype or tensor.device != first.device):
+        if name in fp8 and tensor.dtype != torch.float8_e4m3fn:
+            raise ModelLoadError(
+                f"weights: tensor {name!r} is {tensor.dtype}; an FP8 checkpoint's projection is float8_e4m3fn"
+            )
+        if first is not None and name not in fp8 and (tensor.dtype != first.dtype or tensor.device != first.device):
             raise ModelLoadError(
                 f"weights: tensor {name!r} is {tensor.dtype} on {tensor.device} but the embedding is {first.dtype} "
                 f"on {first.device}; load every weight in one dtype on one device"

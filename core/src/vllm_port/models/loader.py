@@ -33,6 +33,7 @@ from ..errors import ModelLoadError
 from ..faults import read_switch
 from ..ops import FLOAT_DTYPES
 from .config import ModelConfig, check_regular_file, model_file, read_json
+from .quantization import FP8_TAG, scale_for_op, scale_shapes
 
 __all__ = [
     "CHECK_WEIGHTS_ENV",
@@ -41,6 +42,7 @@ __all__ = [
     "checking_weights",
     "expected_weights",
     "expert_weight_names",
+    "fp8_weights",
     "load_weights",
 ]
 
@@ -275,16 +277,24 @@ def _refuse_missing(model_dir: Path, missing: list[str], searched: str) -> None:
         )
 
 
-def _check_tensors(by_file: dict[Path, list[str]], headers: dict[Path, _Header], specs: dict[str, WeightSpec]) -> None:
+def _check_tensors(
+    by_file: dict[Path, list[str]], headers: dict[Path, _Header], specs: dict[str, WeightSpec], fp8: frozenset[str]
+) -> None:
     for path, names in by_file.items():
         for name in names:
             shape, tag = headers[path][name]
+            if (tag == FP8_TAG) != (name in fp8):
+                want = f"{FP8_TAG} (quantization_config makes it float8)" if name in fp8 else "a float (F32, BF16, F16)"
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has dtype {tag}; expected {want}: vllm-port runs the decoder layers' "
+                    "seven projections in float8 and everything else (embedding, norms, LM head) in float"
+                )
             if shape != specs[name].shape:
                 raise ModelLoadError(
                     f"{path}: tensor {name!r} has shape {list(shape)}, but config.json implies "
                     f"{list(specs[name].shape)} ({specs[name].why}); the weights and config.json disagree"
                 )
-            if tag not in _FLOAT_TAGS:
+            if tag not in _FLOAT_TAGS and name not in fp8:
                 raise ModelLoadError(
                     f"{path}: tensor {name!r} has dtype {tag}; expected a float (F32, BF16, F16): quantized "
                     "checkpoints are not supported"
@@ -308,12 +318,19 @@ def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
     """A 0-d bool on the tensor's device: no NaN and no Inf in it (min and max propagate NaN; no copy is made)."""
     if tensor.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=tensor.device)
+    if tensor.dtype == torch.float8_e4m3fn:  # no infinities; NaN is every byte with all exponent and mantissa bits
+        return ~((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()
     low, high = torch.aminmax(tensor)
     return low.isfinite() & high.isfinite()
 
 
 def _refuse_non_finite(path: Path, name: str, loaded: torch.Tensor, tag: str) -> NoReturn:
     """Say what is not finite in ``loaded`` (tensor ``name`` of ``path``): in the file, or from the conversion."""
+    if loaded.dtype == torch.float8_e4m3fn:
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} ({tag}) holds NaN; a model with them generates garbage. Re-download or "
+            f"re-quantise the checkpoint; {CHECK_WEIGHTS_ENV}=0 loads it anyway"
+        )
     nan, inf = loaded.isnan(), loaded.isinf()
     index = tuple(int(i) for i in (nan | inf).nonzero()[0])
     counts = f"{int(nan.sum()):,} NaN and {int(inf.sum()):,} infinite value(s) of {loaded.numel():,}"
@@ -352,25 +369,81 @@ def load_weights(
     device = torch.device(device)
     specs = expected_weights(config)
     by_file, headers = _locate(Path(model_dir), specs)
-    _check_tensors(by_file, headers, specs)
+    fp8 = fp8_weights(config)
+    scales = _locate_scales(config, fp8, by_file, headers, specs)
+    _check_tensors(by_file, headers, specs, fp8)
     weights: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
-                    weights[name] = _to_target(f.get_tensor(name), device, dtype)
+                    tensor = f.get_tensor(name)
+                    if name in fp8:  # kept in e4m3, its scale made fp8_linear's
+                        weights[name] = tensor.to(device)
+                        stored = f.get_tensor(scales[name])
+                        weights[name + "_scale"] = _scale(config, path, scales[name], stored, specs[name]).to(device)
+                    else:
+                        weights[name] = _to_target(tensor, device, dtype)
         except (SafetensorError, OSError) as exc:  # the file changed or broke after its header was read
             raise ModelLoadError(f"{path}: reading its tensors failed ({exc}); re-download or re-save it") from exc
         if check:
             _check_finite(path, names, weights, headers[path])
-    return {name: weights[name] for name in specs}
+    return {name: weights[name] for name in (*specs, *(n + "_scale" for n in fp8))}
+
+
+def fp8_weights(config: ModelConfig) -> frozenset[str]:
+    """The projections an FP8 checkpoint stores in e4m3 (every decoder layer's seven); empty for a float one."""
+    if config.quantization is None:
+        return frozenset()
+    projections = [f"self_attn.{x}_proj" for x in "qkvo"] + [f"mlp.{x}_proj" for x in ("gate", "up", "down")]
+    return frozenset(f"model.layers.{i}.{p}.weight" for i in range(config.num_layers) for p in projections)
+
+
+def _locate_scales(
+    config: ModelConfig, fp8: frozenset[str], by_file: dict[Path, list[str]], headers: dict[Path, _Header],
+    specs: dict[str, WeightSpec],
+) -> dict[str, str]:  # fmt: skip
+    """Each FP8 weight's scale tensor, in its weight's file, with a shape the scheme allows (else refused)."""
+    found: dict[str, str] = {}
+    scheme = config.quantization
+    for path, names in by_file.items():
+        for name in (n for n in names if n in fp8):
+            module = name.removesuffix("weight")
+            scale = next((module + s for s in scheme.scale_names if module + s in headers[path]), None)
+            if scale is None:
+                tried = " or ".join(repr(module + s) for s in scheme.scale_names)
+                raise ModelLoadError(
+                    f"{path}: tensor {tried} is missing; config.json's quantization_config ({scheme.method}) stores "
+                    f"{name!r} in float8 with its scale beside it in the same file"
+                )
+            shape, tag = headers[path][scale]
+            allowed = scale_shapes(scheme, *specs[name].shape)
+            if shape not in allowed or tag not in _FLOAT_TAGS:
+                raise ModelLoadError(
+                    f"{path}: tensor {scale!r} is {tag} {list(shape)}; for a weight of {list(specs[name].shape)} under "
+                    f"config.json's quantization_config (block {scheme.block}) it must be a float tensor of shape "
+                    + " or ".join(str(list(s)) for s in allowed)
+                )
+            found[name] = scale
+    return found
+
+
+def _scale(config: ModelConfig, path: Path, name: str, stored: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """``stored`` as fp8_linear's float32 scale, refused when a value is not finite and > 0."""
+    scale = scale_for_op(stored, config.quantization, spec.shape[0])
+    if not bool((scale.isfinite() & (scale > 0)).all()):
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} holds a scale that is not finite and > 0 ({float(scale.min()):g} to "
+            f"{float(scale.max()):g}); re-download or re-quantise the checkpoint"
+        )
+    return scale
 
 
 def _check_finite(path: Path, names: list[str], weights: dict[str, torch.Tensor], header: _Header) -> None:
     """Refuse the first of ``path``'s loaded tensors that holds NaN or Inf: one host read for the whole shard."""
     if not names:
         return
-    flags = torch.stack([_all_finite(weights[name]) for name in names]).tolist()
+    flags = torch.stack([_all_finite(weights[name]) for name in names]).tolist()  # float8: no NaN byte
     for name, finite in zip(names, flags, strict=True):
         if not finite:
             _refuse_non_finite(path, name, weights[name], header[name][1])

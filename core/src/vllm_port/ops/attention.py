@@ -283,6 +283,13 @@ def paged_attention_reference(
     ``[num_seqs, num_heads, head_size]``. A padded sequence (``seq_lens[i] == 0``) gets zeros.
     """
     check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+    return decode_attend(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+
+
+def decode_attend(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap
+) -> torch.Tensor:
+    """:func:`paged_attention_reference` without its checks (the caches may be wider than ``query``: FP8 dequantised)."""
     q_pos = (seq_lens.long() - 1)[:, None]  # the last token; -1 (sees nothing) for a padded sequence
     out = _attend(
         query[:, None], q_pos, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap
@@ -392,6 +399,15 @@ def prefill_attention_reference(
         sliding_window,
         soft_cap,
     )
+    return prefill_attend(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, soft_cap
+    )
+
+
+def prefill_attend(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, soft_cap
+) -> torch.Tensor:
+    """:func:`prefill_attention_reference` without its checks (the caches may be wider than ``query``)."""
     starts, lens = cu_seqlens_q.long(), seq_lens.long()
     q_lens = starts[1:] - starts[:-1]
     # queries laid out [sequence, row in it] (padded to the longest); row j sits at lens - q_lens + j

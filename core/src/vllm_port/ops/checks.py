@@ -45,6 +45,8 @@ from collections.abc import Callable
 from ._checks import VALIDATE_ENV, validation, validation_enabled
 from .activation import check_gelu_and_mul, check_silu_and_mul
 from .attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
+from .fp8 import check_fp8_linear
+from .kv_fp8 import check_paged_attention_fp8, check_prefill_attention_fp8, check_reshape_and_cache_fp8
 from .linear import check_embedding, check_linear
 from .logits import check_process_logits, check_top_logprobs
 from .moe import check_fused_moe
@@ -56,14 +58,18 @@ __all__ = [
     "INPUT_CHECKS",
     "VALIDATE_ENV",
     "check_embedding",
+    "check_fp8_linear",
     "check_fused_add_rms_norm",
     "check_fused_moe",
     "check_gelu_and_mul",
     "check_linear",
     "check_paged_attention",
+    "check_paged_attention_fp8",
     "check_prefill_attention",
+    "check_prefill_attention_fp8",
     "check_process_logits",
     "check_reshape_and_cache",
+    "check_reshape_and_cache_fp8",
     "check_rms_norm",
     "check_rotary_embedding",
     "check_sample",
@@ -79,10 +85,14 @@ INPUT_CHECKS: dict[str, Callable[..., object]] = {
     "rms_norm": check_rms_norm,
     "fused_add_rms_norm": check_fused_add_rms_norm,
     "linear": check_linear,
+    "fp8_linear": check_fp8_linear,
     "rotary_embedding": check_rotary_embedding,
     "reshape_and_cache": check_reshape_and_cache,
     "prefill_attention": check_prefill_attention,
     "paged_attention": check_paged_attention,
+    "reshape_and_cache_fp8": check_reshape_and_cache_fp8,
+    "prefill_attention_fp8": check_prefill_attention_fp8,
+    "paged_attention_fp8": check_paged_attention_fp8,
     "silu_and_mul": check_silu_and_mul,
     "gelu_and_mul": check_gelu_and_mul,
     "fused_moe": check_fused_moe,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_port.ops import provider
+from vllm_port.ops import kv_fp8, provider
 from vllm_port.ops.attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
 
 __all__ = ["paged_attention", "prefill_attention", "reshape_and_cache"]
@@ -219,3 +219,75 @@ def prefill_attention(
     # the query rows of a padded sequence (seq_lens 0) see no key: exactly 0, whatever it gathered
     out.masked_fill_((lens == 0)[:, None, None, None], 0.0)
     return out.transpose(1, 2)[seq_id, row].to(query.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# The FP8 cache (vllm_port.ops.kv_fp8): written in torch; read by dequantising the blocks in use to float32
+# and running the float attention above on them (the host has no FP8 arithmetic; float32 keeps the scores
+# as exact as the e4m3 values allow)
+# ------------------------------------------------------------------------------------------------
+
+
+@provider("reshape_and_cache_fp8", name="cpu_reshape_and_cache_fp8", priority=10)
+def reshape_and_cache_fp8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    kv_fp8.check_reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = key_cache.shape[1]
+    key_cache[slots // block_size, slots % block_size] = kv_fp8.quantize_kv(key[keep], k_scale)
+    value_cache[slots // block_size, slots % block_size] = kv_fp8.quantize_kv(value[keep], v_scale)
+
+
+@provider("paged_attention_fp8", name="cpu_paged_attention_fp8", priority=10)
+def paged_attention_fp8(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    kv_fp8.check_paged_attention_fp8(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                                     soft_cap, k_scale, v_scale)  # fmt: skip
+    k, v, tables = kv_fp8.compact_blocks(
+        key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, torch.float32
+    )
+    out = paged_attention.fn(query.float(), k, v, tables, seq_lens, scale, sliding_window, soft_cap)
+    return out.to(query.dtype)
+
+
+@provider("prefill_attention_fp8", name="cpu_prefill_attention_fp8", priority=10)
+def prefill_attention_fp8(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    kv_fp8.check_prefill_attention_fp8(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                       max_query_len, scale, sliding_window, soft_cap, k_scale, v_scale)  # fmt: skip
+    k, v, tables = kv_fp8.compact_blocks(
+        key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, torch.float32
+    )
+    out = prefill_attention.fn(query.float(), k, v, tables, cu_seqlens_q, seq_lens, max_query_len, scale,
+                            sliding_window, soft_cap)  # fmt: skip
+    return out.to(query.dtype)

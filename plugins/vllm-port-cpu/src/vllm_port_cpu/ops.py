@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from vllm_port.ops import Provider, provider
 from vllm_port.ops.activation import check_gated, check_gelu_and_mul
+from vllm_port.ops.fp8 import check_fp8_linear, dequantize_fp8_weight
 from vllm_port.ops.linear import check_embedding, check_linear
 from vllm_port.ops.norm import check_fused_add_rms_norm, check_rms_norm
 from vllm_port.ops.rotary import check_rotary_embedding
@@ -102,6 +103,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)  # oneDNN / MKL GEMM with float32 accumulation for half types
 
 
+@provider("fp8_linear", name="cpu_fp8_linear", priority=10)
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    # No FP8 arithmetic on the host: the weight is dequantised into x's dtype for each call (the model keeps
+    # its FP8 bytes, half of bfloat16's) and multiplied exactly, as the reference does, with no activation
+    # quantisation: more accurate than the contract requires.
+    check_fp8_linear(x, weight, weight_scale, bias)
+    return F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias).contiguous()
+
+
 @provider("rotary_embedding", name="cpu_rotary_embedding", priority=10)
 def rotary_embedding(
     positions: torch.Tensor,
@@ -150,12 +162,16 @@ PROVIDERS: list[Provider] = [
     rms_norm,
     fused_add_rms_norm,
     linear,
+    fp8_linear,
     rotary_embedding,
     attention.reshape_and_cache,
     native.prefill_attention,
     attention.prefill_attention,
     native.paged_attention,
     attention.paged_attention,
+    attention.reshape_and_cache_fp8,
+    attention.prefill_attention_fp8,
+    attention.paged_attention_fp8,
     silu_and_mul,
     gelu_and_mul,
     moe.fused_moe,

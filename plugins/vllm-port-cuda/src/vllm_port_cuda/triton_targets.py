@@ -31,6 +31,11 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 #: flight; narrow columns give one token's 8 experts of Qwen3-30B-A3B 192 gate/up programs, more than the 132
 #: SMs, each streaming its expert's weight rows once); above, 64 x 128 tiles stepping 64 deep over 4 warps,
 #: 3 stages (the grouped GEMM of prefill): 80 and 120 KiB of shared memory in bfloat16.
+#: ``fp8_linear`` multiplies e4m3 operands on the FP8 tensor cores (``fp8_dot``), with ``TritonTarget``'s default
+#: tiles until ``vllm-port bench fp8-linear`` has been run on an H200: at decode 16-row tiles of 64 outputs, 256
+#: input features a step (256 bytes of each weight row), 4 stages, the reduction split to 4 programs per SM; at
+#: prefill 128 x 128 tiles, 128 deep, 8 warps, 3 stages. The older parts widen e4m3 to bfloat16 (no FP8 MMA on
+#: sm_80/sm_86; Ada's sm_89 has it but shares the compact target with sm_86).
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -49,6 +54,7 @@ CUDA = TritonTarget(
     linear_max_rows=0,
     moe_small=MoeTiles(16, 32, 128, 4, 4),
     moe_large=MoeTiles(64, 128, 64, 4, 3),
+    fp8_dot=True,
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
 #: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:

@@ -13,12 +13,13 @@ Importing this package imports ``triton``.
 from __future__ import annotations
 
 from ...ops import FLOAT_DTYPES, Provider
-from ..triton_target import INTERPRETER, LinearTiles, MoeTiles, TritonTarget
+from ..triton_target import INTERPRETER, LinearTiles, MatmulTiles, MoeTiles, TritonTarget
 from .swap import swap_blocks
 
 __all__ = [
     "INTERPRETER",
     "LinearTiles",
+    "MatmulTiles",
     "MoeTiles",
     "TritonTarget",
     "kernel_classes",
@@ -32,6 +33,8 @@ def kernel_classes() -> list[type]:
     from .activation import ActivationKernels
     from .attention import AttentionKernels
     from .cache import CacheKernels
+    from .fp8_linear import Fp8LinearKernels
+    from .kv_fp8 import Fp8CacheKernels
     from .linear import LinearKernels
     from .logits import LogitsKernels
     from .moe import MoeKernels
@@ -49,6 +52,8 @@ def kernel_classes() -> list[type]:
         LogitsKernels,
         LinearKernels,
         MoeKernels,
+        Fp8LinearKernels,
+        Fp8CacheKernels,
     ]
 
 

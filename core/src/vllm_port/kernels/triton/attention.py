@@ -185,6 +185,8 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     if not TMA:  # loaded after the scores: fewer registers held across the softmax
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if v.dtype.is_fp8():  # an FP8 cache: values widened to the query's dtype (exact), probabilities kept in it
+        v = v.to(q.dtype)
     p = p.to(v.dtype)  # probabilities rounded to the cache's dtype for the tensor cores
     if DOT_FP32:
         p, v = p.to(tl.float32), v.to(tl.float32)
@@ -211,6 +213,7 @@ def _paged_decode_kernel(
     scale,  # softmax scale (usually head_size ** -0.5)
     soft_cap,  # > 0: scores become soft_cap * tanh(score / soft_cap)
     sliding_window,  # > 0: only the sliding_window most recent keys are seen
+    out_scale,  # the output's factor: an FP8 cache's v_scale (1.0 otherwise)
     stride_qs,  # query strides: sequence, head (the head dim is contiguous, as in every tensor here)
     stride_qh,
     stride_os,  # output strides: sequence, head
@@ -288,7 +291,7 @@ def _paged_decode_kernel(
         )  # fmt: skip
 
     if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l == 0 only for an empty sequence: output 0
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * out_scale  # l == 0 only for an empty sequence: output 0
         o_ptrs = out_ptr + (seq.to(tl.int64) * stride_os + heads * stride_oh)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
     else:
@@ -309,6 +312,7 @@ def _merge_splits_kernel(
     stride_os,  # output strides: sequence, head
     stride_oh,
     num_splits,
+    out_scale,  # the output's factor: an FP8 cache's v_scale (1.0 otherwise)
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
@@ -335,7 +339,7 @@ def _merge_splits_kernel(
         a_ptrs = part_acc_ptr + ((base + offs_c) * HEAD_SIZE)[:, None] + offs_d[None, :]
         acc += tl.load(a_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0) * w[:, None]
     total = tl.sum(denom, 0)
-    out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0) * out_scale
     o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -357,6 +361,7 @@ def _prefill_kernel(
     scale,  # softmax scale
     soft_cap,  # > 0: scores become soft_cap * tanh(score / soft_cap)
     sliding_window,  # > 0: query at position p sees keys p - sliding_window + 1 .. p
+    out_scale,  # the output's factor: an FP8 cache's v_scale (1.0 otherwise)
     stride_qt,  # query strides: token, head
     stride_qh,
     stride_ot,  # output strides: token, head
@@ -462,7 +467,7 @@ def _prefill_kernel(
                 TMA,
             )  # fmt: skip
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * out_scale
         o_ptrs = out_ptr + ((q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -588,9 +593,13 @@ class AttentionKernels:
         return self._decode(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
 
     def _decode(
-        self, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, num_splits=None
-    ):
-        """Launch decode with ``num_splits`` key splits (None: by :func:`_decode_splits`; 1: no merge kernel)."""
+        self, query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, num_splits=None,
+        out_scale=1.0,
+    ):  # fmt: skip
+        """Launch decode with ``num_splits`` key splits (None: by :func:`_decode_splits`; 1: no merge kernel).
+
+        ``out_scale`` multiplies the output (an FP8 cache's ``v_scale``; its ``k_scale`` comes folded into ``scale``).
+        """
         query, key_cache, value_cache = _unit_stride(query), _unit_stride(key_cache), _unit_stride(value_cache)
         block_tables, seq_lens = _unit_stride(block_tables), _unit_stride(seq_lens)  # read at +1 per entry
         num_seqs, num_heads, head_size = query.shape
@@ -612,7 +621,8 @@ class AttentionKernels:
                 self.target.decode_programs_per_sm,
                 self.target.decode_min_tiles_per_split,
             )
-        descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.decode_tma else None
+        tma = self.target.decode_tma and key_cache.element_size() > 1  # FP8 caches gather rows (TMA unmeasured)
+        descriptors = _kv_descriptors(key_cache, value_cache, block_n) if tma else None
         if num_splits > 1:
             part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, device=query.device, dtype=torch.float32)
             part_m = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
@@ -622,7 +632,7 @@ class AttentionKernels:
         _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             out, part_acc, part_m, part_l,
             query, key_cache, value_cache, block_tables, seq_lens,
-            float(scale), float(soft_cap), int(sliding_window),
+            float(scale), float(soft_cap), int(sliding_window), float(out_scale),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -646,7 +656,7 @@ class AttentionKernels:
         if num_splits > 1:
             splits_pad = triton.next_power_of_2(num_splits)
             _merge_splits_kernel[(num_seqs, num_heads)](
-                out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_splits,
+                out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_splits, float(out_scale),
                 HEAD_SIZE=head_size,
                 HEAD_PAD=head_pad,
                 SPLITS_PAD=splits_pad,
@@ -671,6 +681,13 @@ class AttentionKernels:
         """Causal varlen attention over the paged cache (see :func:`vllm_port.ops.attention.prefill_attention_reference`)."""
         args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale)
         check_prefill_attention(*args, sliding_window, soft_cap)
+        return self._prefill(*args, sliding_window, soft_cap)
+
+    def _prefill(
+        self, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale,
+        sliding_window, soft_cap, out_scale=1.0,
+    ):  # fmt: skip
+        """Launch prefill on checked arguments; ``out_scale`` multiplies the output (as :meth:`_decode`'s)."""
         query, key_cache, value_cache = _unit_stride(query), _unit_stride(key_cache), _unit_stride(value_cache)
         # the kernel reads these at +1 per entry: a strided view (found by fuzzing) read other memory
         block_tables, cu_seqlens_q, seq_lens = (
@@ -691,10 +708,11 @@ class AttentionKernels:
         if q_blocks > 65535:  # past the grid's z extent (millions of tokens): one head at a time
             order = 0
         grid = _prefill_grid(order, q_blocks, num_seqs, num_heads)
-        descriptors = _kv_descriptors(key_cache, value_cache, block_n) if self.target.prefill_tma else None
+        tma = self.target.prefill_tma and key_cache.element_size() > 1  # FP8 caches gather rows (TMA unmeasured)
+        descriptors = _kv_descriptors(key_cache, value_cache, block_n) if tma else None
         _prefill_kernel[grid](
             out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-            float(scale), float(soft_cap), int(sliding_window),
+            float(scale), float(soft_cap), int(sliding_window), float(out_scale),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

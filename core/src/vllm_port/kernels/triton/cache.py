@@ -3,7 +3,8 @@
 One program per (token, block of KV heads) copies ``HEAD_BLOCK x head_size`` keys and as many
 values; a token whose slot is -1 (padding) writes nothing. Bytes per token:
 ``4 x kv_heads x head_size x itemsize`` (key and value read, then written). Values are copied
-bit for bit: no conversion happens between the load and the store.
+bit for bit: no conversion happens between the load and the store; for an FP8 cache
+(``reshape_and_cache_fp8``, :mod:`.kv_fp8`) each is divided by its scale and rounded to e4m3.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton.language as tl
 
 from ...ops.attention import check_reshape_and_cache
 from ..triton_target import TritonTarget
+from .fp8_linear import to_e4m3
 
 __all__ = ["CacheKernels"]
 
@@ -48,8 +50,12 @@ def _reshape_and_cache_kernel(
     vc_head_stride,
     vc_elem_stride,
     slot_stride,
+    k_scale,  # with QUANT: the cache holds e4m3(key / k_scale)
+    v_scale,
     HEAD_BLOCK: tl.constexpr,
     D_BLOCK: tl.constexpr,
+    QUANT: tl.constexpr,  # an FP8 cache (reshape_and_cache_fp8): divide by the scale, round to e4m3
+    ROUND_FIRST: tl.constexpr,  # round on e4m3's grid in float32 first (see fp8_linear.to_e4m3)
 ):
     """Copy heads ``[pid1 * HEAD_BLOCK, pid1 * HEAD_BLOCK + HEAD_BLOCK)`` of token ``pid0`` into its slot.
 
@@ -81,6 +87,9 @@ def _reshape_and_cache_kernel(
         value_ptr + token * v_token_stride + heads[:, None] * v_head_stride + d[None, :] * v_elem_stride, mask=mask
     )
     mask = mask & (slot >= 0)
+    if QUANT:  # the division in float32, as the op's reference
+        k = to_e4m3(k.to(tl.float32) / k_scale, 448.0, ROUND_FIRST)
+        v = to_e4m3(v.to(tl.float32) / v_scale, 448.0, ROUND_FIRST)
     kc = key_cache_ptr + block * kc_block_stride + offset * kc_offset_stride
     vc = value_cache_ptr + block * vc_block_stride + offset * vc_offset_stride
     tl.store(kc + heads[:, None] * kc_head_stride + d[None, :] * kc_elem_stride, k, mask=mask)
@@ -104,6 +113,10 @@ class CacheKernels:
         slot_mapping: torch.Tensor,
     ) -> None:
         check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        self._write(key, value, key_cache, value_cache, slot_mapping)
+
+    def _write(self, key, value, key_cache, value_cache, slot_mapping, scales=None, round_first=False) -> None:
+        """Launch the copy on checked arguments; ``scales`` ``(k_scale, v_scale)`` quantise into an FP8 cache."""
         tokens, n_heads, head_size = key.shape
         if tokens == 0 or n_heads * head_size == 0:
             return
@@ -125,7 +138,10 @@ class CacheKernels:
             *key_cache.stride(),
             *value_cache.stride(),
             slot_mapping.stride(0),
+            *(scales or (1.0, 1.0)),
             HEAD_BLOCK=head_block,
             D_BLOCK=d_block,
+            QUANT=scales is not None,
+            ROUND_FIRST=round_first,
             num_warps=warps,
         )
