@@ -308,7 +308,7 @@ def _fp8_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator)
     q, s = weight(96, 256, "channel")
     transposed = q.t().contiguous().t()  # stored [in_features, out_features]
     wide = torch.randn(6, 3 * 256, generator=gen).to(device, dtype)[:, 256:512]
-    return [
+    samples = [
         case("small, per tensor", 7, 64, 48, "tensor"),
         case("small, per channel, bias", 7, 64, 48, "channel", bias=True),
         case("groups of 128, in_features 320 (a partial group)", 9, 320, 40, "group"),
@@ -318,12 +318,18 @@ def _fp8_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator)
         case("one row, per tensor, bias", 1, 384, 192, "tensor", bias=True),
         SampleInput("transposed weight (a view)", (x, transposed, s, None)),
         SampleInput("x a slice of a wider row", (wide, *weight(72, 256, "group"), None)),
-        # the shapes of real models (gate_up's 4096 -> 28672 is the benchmark's: its weight alone takes seconds to make)
-        case("llama3-8b qkv decode (4096 -> 6144)", 4, 4096, 6144, "channel", large=True),
-        case("llama3-8b down, 16 rows (14336 -> 4096)", 16, 14336, 4096, "group", large=True),
-        case("qwen3-30b-a3b qkv, 256 rows (2048 -> 5120)", 256, 2048, 5120, "tensor", large=True),
-        case("qwen3-30b-a3b o_proj, 33 rows (4096 -> 2048)", 33, 4096, 2048, "channel", bias=True, large=True),
     ]
+    if device.type != "cpu":
+        # the shapes of real models, for devices only (as fused_moe's): the CPU provider dequantises exactly, so
+        # their point is a device kernel's tiling, and on CPU making and checking them took 5 of the op's 6 s a
+        # dtype in every certification (gate_up's 4096 -> 28672 is the benchmark's: its weight takes seconds to make)
+        samples += [
+            case("llama3-8b qkv decode (4096 -> 6144)", 4, 4096, 6144, "channel", large=True),
+            case("llama3-8b down, 16 rows (14336 -> 4096)", 16, 14336, 4096, "group", large=True),
+            case("qwen3-30b-a3b qkv, 256 rows (2048 -> 5120)", 256, 2048, 5120, "tensor", large=True),
+            case("qwen3-30b-a3b o_proj, 33 rows (4096 -> 2048)", 33, 4096, 2048, "channel", bias=True, large=True),
+        ]
+    return samples
 
 
 def _fp8_errors(device: torch.device) -> list[ErrorInput]:
