@@ -42,3 +42,10 @@ def test_the_sweep_relaunches_the_bound_triton_kernels_with_each_tile() -> None:
     assert {fn.__self__.target.moe_large for fn in found.values()} == set(SWEEP_TILES)
     cpu = SimpleNamespace(providers={"fused_moe": SimpleNamespace(fn=lambda *a: None)})
     assert _sweep(cpu) == {}
+
+
+def test_the_fp8_linear_benchmark_asks_the_platform_and_refuses_a_cpu_one(capsys):
+    from vllm_port.bench import fp8_linear
+
+    assert fp8_linear.main(device="cpu") == 2
+    assert "the selected platform runs on the CPU" in capsys.readouterr().out

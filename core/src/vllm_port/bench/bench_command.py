@@ -248,6 +248,7 @@ def _run_moe(args: argparse.Namespace) -> int:
 
 
 def _fp8_linear_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flag(parser)
     parser.add_argument("--rows", default="1,16,256,4096", help="comma-separated token counts (default 1,16,256,4096)")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     add_json_file_flag(parser, "write the results to this JSON file")
@@ -261,7 +262,7 @@ def _run_fp8_linear(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown shapes {unknown}; known: {', '.join(fp8_linear.SHAPES)}", file=sys.stderr)
         return 2
-    return fp8_linear.main(args.json, tuple(int(m) for m in args.rows.split(",")), shapes)
+    return fp8_linear.main(args.json, tuple(int(m) for m in args.rows.split(",")), shapes, args.device)
 
 
 KINDS: dict[str, BenchKind] = {

@@ -78,30 +78,38 @@ def _cases(x: torch.Tensor, weights: tuple[torch.Tensor, ...], kernels: Any) -> 
     return cases
 
 
-def main(json_path: str | None = None, rows: tuple[int, ...] = ROWS, shapes: tuple[str, ...] = tuple(SHAPES)) -> int:
-    """Time every column at every shape and row count; print a table per shape; write JSON when asked."""
+def main(
+    json_path: str | None = None,
+    rows: tuple[int, ...] = ROWS,
+    shapes: tuple[str, ...] = tuple(SHAPES),
+    device: str | None = None,
+) -> int:
+    """Time every column at every shape and row count on the selected platform; print a table per shape; write JSON when asked."""
     from .. import load
     from ._timing import copy_bandwidth_gbs
 
-    if not torch.cuda.is_available():
-        print("bench fp8-linear: needs a GPU (Triton compiles the kernel for it); none is visible")
+    runtime = load(device=device)  # discovery picks the platform; --device names one
+    dev = runtime.device
+    if dev.type == "cpu":
+        print("bench fp8-linear: the selected platform runs on the CPU; this benchmark times a device's kernels "
+              "(install a GPU plugin, or name its device with --device)")  # fmt: skip
         return 2
-    device = torch.device("cuda")
-    kernels = load(device="cuda").bind(torch.bfloat16)  # what the platform binds: the Triton kernel, its target's tiles
+    kernels = runtime.bind(torch.bfloat16)  # what the platform binds: its kernel, its target's tiles
     provider = kernels.providers["fp8_linear"]
-    capability = torch.cuda.get_device_capability(device)
-    copy = copy_bandwidth_gbs(device, 1 << 30)
-    print(f"{torch.cuda.get_device_name(device)} (sm_{capability[0]}{capability[1]}), fp8_linear bound to "
-          f"{provider.name} ({provider.plugin}); copy bandwidth {copy:,.0f} GB/s; do_bench medians, L2 cleared per call")  # fmt: skip
+    probe = runtime.selected.probe
+    device_name = probe.devices[0].name if probe and probe.devices else runtime.platform.name
+    copy = copy_bandwidth_gbs(dev, 1 << 30)
+    print(f"{device_name} ({runtime.platform.name}), fp8_linear bound to {provider.name} ({provider.plugin}); "
+          f"copy bandwidth {copy:,.0f} GB/s; do_bench medians, L2 cleared per call")  # fmt: skip
     results: list[dict[str, Any]] = []
     for name in shapes:
         k, n = SHAPES[name]
         print(f"\n{name}: {k} -> {n} (e4m3 weight {k * n / 1e6:.1f} MB)")
         print("| M | column | us | weight GB/s | % of copy | TFLOP/s | vs scaled_mm |")
         print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-        weights = _weights(k, n, device)
+        weights = _weights(k, n, dev)
         for m in rows:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             cases = _cases(x, weights, kernels)
             times = {col: _time_us(fn) for col, fn in cases.items() if callable(fn)}
             for col, fn in cases.items():
@@ -127,5 +135,9 @@ def main(json_path: str | None = None, rows: tuple[int, ...] = ROWS, shapes: tup
         print(f"\ntriton vs scaled_mm: median {statistics.median(ratios):.2f}x over {len(ratios)} cells")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(device), "copy_gbs": copy, "results": results}, f, indent=1)
+            json.dump(
+                {"device": device_name, "platform": runtime.platform.name, "copy_gbs": copy, "results": results},
+                f,
+                indent=1,
+            )
     return 0
