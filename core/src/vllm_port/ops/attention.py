@@ -251,6 +251,15 @@ def check_paged_attention(
     _, _, kv_heads, head_size = check_cache(op, key_cache, value_cache)
     check_float(op, "query", query)
     check_same(op, "query", query, "key_cache", key_cache)
+    _check_paged_batch(
+        op, query, key_cache, kv_heads, head_size, block_tables, seq_lens, scale, sliding_window, soft_cap
+    )
+
+
+def _check_paged_batch(
+    op, query, key_cache, kv_heads, head_size, block_tables, seq_lens, scale, sliding_window, soft_cap
+) -> None:  # fmt: skip
+    """``paged_attention``'s checks once its caches and query are checked (shared with ``paged_attention_fp8``)."""
     _check_heads(op, query, kv_heads, head_size)
     check_index(op, "block_tables", block_tables, 2, "query", query)
     check_index(op, "seq_lens", seq_lens, 1, "query", query)
@@ -314,6 +323,15 @@ def check_prefill_attention(
     _, _, kv_heads, head_size = check_cache(op, key_cache, value_cache)
     check_float(op, "query", query)
     check_same(op, "query", query, "key_cache", key_cache)
+    _check_prefill_batch(op, query, key_cache, kv_heads, head_size, block_tables, cu_seqlens_q, seq_lens,
+                         max_query_len, scale, sliding_window, soft_cap)  # fmt: skip
+
+
+def _check_prefill_batch(
+    op, query, key_cache, kv_heads, head_size, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale,
+    sliding_window, soft_cap,
+) -> None:  # fmt: skip
+    """``prefill_attention``'s checks once its caches and query are checked (shared with ``prefill_attention_fp8``)."""
     _check_heads(op, query, kv_heads, head_size)
     check_index(op, "block_tables", block_tables, 2, "query", query)
     check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, "query", query)

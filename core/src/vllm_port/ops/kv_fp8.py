@@ -28,14 +28,12 @@ from typing import Any
 import torch
 
 from ..errors import OpInputError
-from ._checks import check_float, check_index, check_int, check_writable, reads_values
+from ._checks import check_float, check_index, check_writable, reads_values
 from ._op import ErrorInput, Op, SampleInput, Tolerance
 from .attention import (
-    _check_heads,
-    _check_query_offsets,
-    _check_scale_softcap_window,
+    _check_paged_batch,
+    _check_prefill_batch,
     _check_slots,
-    _check_tables,
     decode_attend,
     paged_attention,
     prefill_attend,
@@ -163,18 +161,10 @@ def check_paged_attention_fp8(
     _, _, kv_heads, head_size = check_fp8_cache(op, key_cache, value_cache)
     check_float(op, "query", query)
     _check_on(op, "query", query, key_cache)
-    _check_heads(op, query, kv_heads, head_size)
-    check_index(op, "block_tables", block_tables, 2, "query", query)
-    check_index(op, "seq_lens", seq_lens, 1, "query", query)
-    if block_tables.shape[0] != query.shape[0] or seq_lens.shape[0] != query.shape[0]:
-        raise OpInputError(
-            f"{op}: {query.shape[0]} queries (one per sequence) but block_tables has {block_tables.shape[0]} rows "
-            f"and seq_lens {seq_lens.shape[0]} entries"
-        )
-    _check_scale_softcap_window(op, scale, sliding_window, soft_cap)
     _check_scales(op, k_scale, v_scale)
-    if reads_values(block_tables, seq_lens):
-        _check_tables(op, block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
+    _check_paged_batch(
+        op, query, key_cache, kv_heads, head_size, block_tables, seq_lens, scale, sliding_window, soft_cap
+    )
 
 
 def paged_attention_fp8_reference(
@@ -213,21 +203,9 @@ def check_prefill_attention_fp8(
     _, _, kv_heads, head_size = check_fp8_cache(op, key_cache, value_cache)
     check_float(op, "query", query)
     _check_on(op, "query", query, key_cache)
-    _check_heads(op, query, kv_heads, head_size)
-    check_index(op, "block_tables", block_tables, 2, "query", query)
-    check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, "query", query)
-    check_index(op, "seq_lens", seq_lens, 1, "query", query)
-    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1 or block_tables.shape[0] != seq_lens.shape[0]:
-        raise OpInputError(
-            f"{op}: {seq_lens.shape[0]} sequences need cu_seqlens_q of {seq_lens.shape[0] + 1} entries and as many "
-            f"block_tables rows; got {cu_seqlens_q.shape[0]} and {block_tables.shape[0]}"
-        )
-    check_int(op, "max_query_len", max_query_len, 1, "the longest sequence's query tokens")
-    _check_scale_softcap_window(op, scale, sliding_window, soft_cap)
     _check_scales(op, k_scale, v_scale)
-    if reads_values(block_tables, cu_seqlens_q, seq_lens):
-        _check_tables(op, block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
-        _check_query_offsets(op, cu_seqlens_q, seq_lens, query.shape[0], max_query_len)
+    _check_prefill_batch(op, query, key_cache, kv_heads, head_size, block_tables, cu_seqlens_q, seq_lens,
+                         max_query_len, scale, sliding_window, soft_cap)  # fmt: skip
 
 
 def prefill_attention_fp8_reference(
