@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..cli_flags import add_device_flag, add_json_file_flag
 
-__all__ = ["HELP", "KINDS", "PLACEMENT_SHAPES", "add_arguments", "run"]
+__all__ = ["ENGINE_SHAPES", "HELP", "KINDS", "PLACEMENT_SHAPES", "add_arguments", "run"]
 
 HELP = "benchmarks (not tests): see docs/results/"
 
@@ -23,6 +23,8 @@ HELP = "benchmarks (not tests): see docs/results/"
 PLACEMENT_SHAPES = ("llama3-8b", "small", "tiny")
 #: The layers ``bench moe --shape`` builds: the keys of :data:`vllm_port.bench.moe.SHAPES`.
 MOE_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite", "tiny")
+#: The presets of ``bench engine --shape``: the keys of :data:`vllm_port.bench.engine_workload.SHAPES`.
+ENGINE_SHAPES = ("llama3-8b", "qwen3-30b-a3b")
 #: The dtypes a benchmark's random model or inputs may take.
 DTYPES = ["bfloat16", "float16", "float32"]
 
@@ -155,15 +157,43 @@ def _run_model(args: argparse.Namespace) -> int:
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a saved Llama directory (default: build a random one)")
-    parser.add_argument("--h200", action="store_true", help="issue 13's H200 workload (Llama-3-8B shape, bf16)")
+    parser.add_argument("--model", default=None, help="a saved model directory (default: build a random one)")
+    parser.add_argument("--h200", action="store_true", help="issue 13's H200 workload (= --shape llama3-8b)")
+    parser.add_argument(
+        "--shape",
+        default=None,
+        choices=ENGINE_SHAPES,
+        help="a GPU preset: llama3-8b (bf16, 256 requests of 512/256 tokens, decode at 1 and 64), or "
+        "qwen3-30b-a3b (the same workload on Qwen3-30B-A3B's shape, a MoE, 8 of its 48 layers by default); "
+        "default: the CPU workload",
+    )
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="comma-separated checkpoints to run the engine on, each built from the same random weights: bf16, "
+        "fp16 or fp32 (float, in that dtype) and fp8 (the decoder projections in float8 with per-channel "
+        "scales); e.g. bf16,fp8 prints the fp8 / bf16 decode ratio (default: float in --dtype)",
+    )
     add_device_flag(parser, "platform for the engine (default: the selected one)")
     parser.add_argument("--hidden-size", type=int, default=None)
-    parser.add_argument("--intermediate-size", type=int, default=None)
-    parser.add_argument("--layers", dest="num_layers", type=int, default=None, help="decoder layers")
+    parser.add_argument("--intermediate-size", type=int, default=None, help="a dense MLP's width")
+    parser.add_argument(
+        "--layers",
+        "--num-layers",
+        dest="num_layers",
+        type=int,
+        default=None,
+        help="decoder layers (of a preset: fewer)",
+    )
     parser.add_argument("--heads", dest="num_heads", type=int, default=None)
     parser.add_argument("--kv-heads", dest="num_kv_heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None, help="each head's width (default: hidden / heads)")
     parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--num-experts", type=int, default=None, help="routed experts per layer (a MoE shape)")
+    parser.add_argument(
+        "--experts-per-tok", dest="num_experts_per_tok", type=int, default=None, help="experts per token (a MoE shape)"
+    )
+    parser.add_argument("--moe-intermediate-size", type=int, default=None, help="each expert's width (a MoE shape)")
     parser.add_argument("--num-requests", type=int, default=None, help="requests (CPU 64, H200 256)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (CPU 128, H200 512)")
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (CPU 128, H200 256)")
@@ -178,7 +208,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine replays no captured graphs (default: it does where it can)",
     )
     parser.add_argument(
-        "--save-model", default=None, help="build the random model into this directory, or reuse the one there"
+        "--save-model",
+        default=None,
+        help="build the random model into this directory, or reuse the one there (fp8 weights: DIR-fp8)",
     )
     parser.add_argument("--vllm-python", default=None, help="the python of a vLLM venv (dev/setup-vllm-peer)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for this process")

@@ -1,7 +1,7 @@
 """Offline throughput of the engine (``LLM.generate``) beside ``transformers`` and, optionally, vLLM, in one run.
 
-One run builds (or takes with ``--model``) a random-weight Llama checkpoint saved with
-``transformers``, draws the workload's prompts (random token ids, seeded), and runs the same
+One run builds (or takes with ``--model``) a random-weight checkpoint saved with ``transformers``
+(a Llama; a Qwen3-MoE with ``--shape qwen3-30b-a3b``), draws the workload's prompts (random token ids, seeded), and runs the same
 requests, greedy with EOS ignored, through:
 
 - ``engine``: this project's ``LLM.generate`` on the selected platform;
@@ -22,6 +22,15 @@ of 256), 64 requests of 128 prompt and 128 output tokens. ``--h200`` switches to
 Llama-3-8B's shape in bf16, 256 requests of 512 prompt / 256 output tokens, plus batch-1 and
 batch-64 decode rates with their memory-bandwidth utilisation (weight + KV bytes per step over a
 copy bandwidth measured in the same run).
+
+``--shape`` names a preset of :data:`~.engine_workload.SHAPES`: ``llama3-8b`` (the ``--h200``
+workload) or ``qwen3-30b-a3b`` (Qwen3-30B-A3B's shape, a random ``Qwen3MoeForCausalLM``, 8 of its 48
+layers unless ``--layers`` says otherwise; a decode step's bytes count only the experts a step is
+expected to hit under uniform routing, :func:`~.engine_workload.expected_experts`). ``--weights``
+lists the checkpoints to run the engine on, e.g. ``bf16,fp8``: the float one and the same weights
+with the decoder projections in float8 (per-output-channel scales), each built and run in turn in
+the same process, and the fp8 / float decode-rate ratio at each batch printed. ``transformers`` and
+vLLM run the float checkpoint only.
 """
 
 from __future__ import annotations
@@ -33,88 +42,48 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ._decode import decode_rate, time_decode, warm_up
+from .engine_workload import (
+    CPU_WORKLOAD,
+    FAMILIES,
+    H200_WORKLOAD,
+    QWEN3_30B_A3B_WORKLOAD,
+    SHAPES,
+    Workload,
+    build_model,
+    expected_experts,
+    itemsize,
+    kv_token_bytes,
+    step_weight_bytes,
+    weights_label,
+)
 
-__all__ = ["CPU_WORKLOAD", "H200_WORKLOAD", "Workload", "build_model", "main", "make_prompts", "run"]
+__all__ = [
+    "CPU_WORKLOAD",
+    "FLOAT_WEIGHTS",
+    "H200_WORKLOAD",
+    "QWEN3_30B_A3B_WORKLOAD",
+    "ROUTING_ASSUMPTION",
+    "SHAPES",
+    "SYSTEMS",
+    "FlagError",
+    "Workload",
+    "build_model",
+    "main",
+    "make_prompts",
+    "resolve_flags",
+    "run",
+]
 
 #: Where ``dev/vllm_peer.py`` lives in a checkout (the peer is not part of the installed package).
 PEER_SCRIPT = Path(__file__).resolve().parents[4] / "dev" / "vllm_peer.py"
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A model shape and an offline workload (every number a flag of ``vllm-port bench engine``)."""
-
-    hidden_size: int = 512
-    intermediate_size: int = 1536
-    num_layers: int = 8
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    vocab_size: int = 32000
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    num_requests: int = 64
-    prompt_len: int = 128
-    output_len: int = 128
-    dtype: str = "float32"
-    #: batch sizes of the decode-rate measurement (the H200 workload); empty: none
-    decode_batches: tuple[int, ...] = ()
-
-
-CPU_WORKLOAD = Workload()
-H200_WORKLOAD = Workload(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    vocab_size=128256,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-    num_requests=256,
-    prompt_len=512,
-    output_len=256,
-    dtype="bfloat16",
-    decode_batches=(1, 64),
-)
-
-
-def build_model(path: str | os.PathLike[str], w: Workload, seed: int = 0, device: str = "cpu") -> Path:
-    """Save a random-weight ``LlamaForCausalLM`` of ``w``'s shape and dtype with ``save_pretrained`` (safetensors).
-
-    Weights keep the ``transformers`` initialisation (normal, std 0.02): like a trained model's
-    scale, so activations stay finite in bf16 through many layers. No tokenizer is saved: prompts
-    are token ids.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=w.vocab_size,
-        hidden_size=w.hidden_size,
-        intermediate_size=w.intermediate_size,
-        num_hidden_layers=w.num_layers,
-        num_attention_heads=w.num_heads,
-        num_key_value_heads=w.num_kv_heads,
-        max_position_embeddings=w.max_position_embeddings,
-        rope_theta=w.rope_theta,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    dtype = getattr(torch, w.dtype)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    model.config.dtype = dtype  # the checkpoint's dtype in config.json
-    path = Path(path)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def make_prompts(w: Workload, seed: int = 0) -> list[list[int]]:
@@ -183,11 +152,15 @@ def run_engine(
 
 
 def run_transformers(model_dir: Path, prompts: list[list[int]], w: Workload, device: str) -> dict[str, Any]:
-    """``transformers`` ``generate`` on the same weights: all prompts in one batch, greedy, no early stop."""
-    from transformers import LlamaForCausalLM
+    """``transformers`` ``generate`` on the same weights: all prompts in one batch, greedy, no early stop.
+
+    The model class is the one ``config.json`` names (``AutoModelForCausalLM``); a mixture-of-experts
+    model runs ``transformers``' default experts implementation, which the result names.
+    """
+    from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, w.dtype)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
 
@@ -211,12 +184,15 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], w: Workload, dev
     batch_ttft = generate(1)
     elapsed = generate(w.output_len)
     tokens = len(prompts) * w.output_len
-    return {
+    result = {
         "output_tok_s": _rate(tokens, elapsed),
         "elapsed_s": elapsed,
         "output_tokens": tokens,
         "ttft_batch_s": batch_ttft,
     }
+    if w.is_moe:
+        result["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+    return result
 
 
 def run_vllm(python: str, model_dir: Path, prompts_file: Path, w: Workload, reserve_none: bool) -> dict[str, Any]:
@@ -245,14 +221,25 @@ def run_vllm(python: str, model_dir: Path, prompts_file: Path, w: Workload, rese
     return json.loads(lines[-1])
 
 
+#: What the bytes of a mixture-of-experts decode row assume (said in each such row of the JSON).
+ROUTING_ASSUMPTION = (
+    "uniform routing: each token takes num_experts_per_tok = k of the num_experts = E experts, every expert "
+    "equally likely and tokens independent, so a decode step of B tokens reads E*(1-(1-k/E)^B) distinct "
+    "experts per layer"
+)
+
+
 def _decode_rates(
-    model_dir: Path, w: Workload, device: str | None, step: str, **llm_kwargs: Any
+    model_dir: Path, w: Workload, device: str | None, step: str, copy_gbs: float | None = None, **llm_kwargs: Any
 ) -> list[dict[str, Any]]:
     """Decode tok/s at each of ``w.decode_batches`` with its memory-bandwidth utilisation.
 
     Decode time is the run's wall time minus the one-token run's (the prefill); the bytes of a
-    step are every weight but the embedding table plus the KV cache the step reads (the mean
-    context over the decode), counted against a device copy measured now.
+    step are every weight but the embedding table (:func:`~.engine_workload.step_weight_bytes`: an
+    fp8 projection one byte a weight plus its scales; of a MoE layer the router and only the experts
+    the step is expected to hit, :data:`ROUTING_ASSUMPTION`) plus the KV cache the step reads (the
+    mean context over the decode), counted against a device copy measured now (or ``copy_gbs``,
+    measured by an earlier call of the same run).
     """
     from ._timing import copy_bandwidth_gbs
 
@@ -262,43 +249,33 @@ def _decode_rates(
         res = run_engine(model_dir, make_prompts(wb, seed=1), wb, device, step, **llm_kwargs)
         rate = decode_rate(batch, w.output_len, res["elapsed_s"] - res["ttft_batch_s"])
         step_s = rate["step_ms"] / 1e3
-        kv_token_bytes = 2 * w.num_layers * w.num_kv_heads * (w.hidden_size // w.num_heads) * _itemsize(w.dtype)
         mean_context = w.prompt_len + w.output_len / 2
-        step_bytes = _weight_bytes(w) + batch * mean_context * kv_token_bytes
+        experts = expected_experts(w, batch) if w.is_moe else None
+        step_bytes = step_weight_bytes(w, experts) + batch * mean_context * kv_token_bytes(w)
         # tensor parallel: each rank reads its shard of the layers and KV, and the whole replicated LM head
         ranks = llm_kwargs.get("tensor_parallel_size", 1)
-        head_bytes = w.vocab_size * w.hidden_size * _itemsize(w.dtype)
+        head_bytes = w.vocab_size * w.hidden_size * itemsize(w.dtype)
         rank_bytes = (step_bytes - head_bytes) / ranks + head_bytes
-        rows.append(
-            {
-                "batch": batch,
-                **rate,
-                "step_bytes": step_bytes,
-                "achieved_gbs": step_bytes / step_s / 1e9,
-                "devices": ranks,
-                "device_step_bytes": rank_bytes,
-                "device_gbs": rank_bytes / step_s / 1e9,
-            }
-        )
-    dev = torch.device(device if device and device != "auto" else (_accelerator_type() or "cpu"))
-    bandwidth = copy_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 256 << 20)
+        row = {
+            "batch": batch,
+            "weights": weights_label(w),
+            **rate,
+            "step_bytes": step_bytes,
+            "achieved_gbs": step_bytes / step_s / 1e9,
+            "devices": ranks,
+            "device_step_bytes": rank_bytes,
+            "device_gbs": rank_bytes / step_s / 1e9,
+        }
+        if experts is not None:
+            row.update(experts_read_per_layer=experts, routing=ROUTING_ASSUMPTION)
+        rows.append(row)
+    if copy_gbs is None:
+        dev = torch.device(device if device and device != "auto" else (_accelerator_type() or "cpu"))
+        copy_gbs = copy_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 256 << 20)
     for row in rows:
-        row["copy_gbs"] = bandwidth
-        row["bandwidth_utilisation"] = row["device_gbs"] / bandwidth  # of one device's copy bandwidth
+        row["copy_gbs"] = copy_gbs
+        row["bandwidth_utilisation"] = row["device_gbs"] / copy_gbs  # of one device's copy bandwidth
     return rows
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def _weight_bytes(w: Workload) -> int:
-    """Bytes of every weight a decode step reads: all but the embedding table (the LM head included)."""
-    head = w.hidden_size // w.num_heads
-    attn = w.hidden_size * (w.num_heads + 2 * w.num_kv_heads) * head + w.num_heads * head * w.hidden_size
-    mlp = 3 * w.hidden_size * w.intermediate_size
-    per_layer = attn + mlp + 2 * w.hidden_size
-    return (w.num_layers * per_layer + w.hidden_size + w.vocab_size * w.hidden_size) * _itemsize(w.dtype)
 
 
 def _cpu_model() -> str:
@@ -324,6 +301,48 @@ def _versions() -> dict[str, str]:
     }
 
 
+class FlagError(ValueError):
+    """A flag of ``vllm-port bench engine`` that cannot be run as given (the message names the flag)."""
+
+
+#: ``--weights`` names of a float checkpoint -> the dtype it is stored (and run) in.
+FLOAT_WEIGHTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: The systems ``--systems`` may list.
+SYSTEMS = ("engine", "transformers", "vllm")
+
+
+def _checkpoint(
+    w: Workload, model_dir: str | None, save_model: str | None, tmp: Path, seed: int, device: str | None
+) -> str:
+    """The directory of ``w``'s checkpoint: ``model_dir`` as given; else ``save_model`` (``save_model-fp8`` for fp8
+    weights), built unless it holds one already, which must be of ``w``'s family, size and weights; else built in ``tmp``.
+    """
+    if model_dir is not None:
+        return model_dir
+    suffix = "-fp8" if w.weights == "fp8" else ""
+    if save_model is None:
+        return str(build_model(tmp / f"model{suffix}", w, seed, build_device(device)))
+    path = Path(save_model)
+    path = path.with_name(path.name + suffix)  # beside it, whether or not the flag ends in a slash
+    if not (path / "config.json").is_file():
+        build_model(path, w, seed, build_device(device))
+        return str(path)
+    config = json.loads((path / "config.json").read_text())
+    saved = (
+        (config.get("architectures") or ["?"])[0],
+        config.get("num_hidden_layers"),
+        config.get("hidden_size"),
+        "fp8" if "quantization_config" in config else "float",
+    )
+    wanted = (FAMILIES[w.family], w.num_layers, w.hidden_size, w.weights)
+    if saved != wanted:
+        raise FlagError(
+            f"--save-model: {path} holds a {saved[3]} {saved[0]} of {saved[1]} layers, hidden {saved[2]}; this run "
+            f"builds a {wanted[3]} {wanted[0]} of {wanted[1]} layers, hidden {wanted[2]}: pass another directory"
+        )
+    return str(path)
+
+
 def run(
     w: Workload,
     model_dir: str | None = None,
@@ -335,45 +354,54 @@ def run(
     tensor_parallel_size: int = 1,
     enforce_eager: bool = False,
     save_model: str | None = None,
+    weights: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run the workload through every system asked for; return the results (what ``--json`` writes).
 
-    ``save_model``: build the model into this directory unless it already holds one (kept for later runs).
+    ``weights``: the checkpoints to run, keys of :data:`~.engine_workload.WEIGHTS` (default: ``w.weights``
+    alone), each built (or ``model_dir``, when there is one) and run in turn with the same prompts;
+    ``transformers`` and vLLM run the float one only. Results of the fp8 checkpoint are keyed
+    ``"engine (fp8)"``; with float and fp8 weights, ``fp8_over_float_decode`` holds their decode-rate ratios.
+    ``save_model``: build the model into this directory unless it already holds one (kept for later
+    runs); the fp8 checkpoint goes to ``save_model + "-fp8"``.
+
+    :raises FlagError: for a ``save_model`` directory that holds another model.
     """
+    variants = [replace(w, weights=v) for v in (weights or (w.weights,))]
+    if model_dir is not None and len(variants) > 1:
+        raise FlagError(f"--model is one checkpoint; --weights lists {len(variants)}: drop --model or list one")
     with tempfile.TemporaryDirectory(prefix="vllm-port-bench-engine-") as tmp:
-        if model_dir is None and save_model is not None:
-            model_dir = save_model
-            if not (Path(save_model) / "config.json").is_file():
-                build_model(Path(save_model), w, seed, build_device(device))
-        if model_dir is None:
-            model_dir = str(build_model(Path(tmp) / "model", w, seed, build_device(device)))
+        dirs = {v.weights: _checkpoint(v, model_dir, save_model, Path(tmp), seed, device) for v in variants}
         prompts = make_prompts(w, seed)
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         results: dict[str, Any] = {}
+        decode: list[dict[str, Any]] = []
         load_before = os.getloadavg()[0]
         kw: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
         if enforce_eager:
             kw["enforce_eager"] = True
-        if "engine" in systems:
-            results["engine"] = run_engine(Path(model_dir), prompts, w, device, step, **kw)
-        if vllm_python and "vllm" in systems:
-            results["vllm"] = run_vllm(vllm_python, Path(model_dir), prompts_file, w, reserve_none=False)
-            results["vllm-all-cores"] = run_vllm(vllm_python, Path(model_dir), prompts_file, w, reserve_none=True)
-        if "transformers" in systems:
-            results["transformers"] = run_transformers(
-                Path(model_dir), prompts, w, "cuda" if _on_gpu(device) else "cpu"
-            )
-        decode = _decode_rates(Path(model_dir), w, device, step, **kw) if w.decode_batches else []
+        copy_gbs = None
+        for v in variants:
+            path = Path(dirs[v.weights])
+            tag = "" if v.weights == "float" else f" ({weights_label(v)})"
+            if "engine" in systems:
+                results["engine" + tag] = run_engine(path, prompts, v, device, step, **kw)
+            if v.weights == "float" and vllm_python and "vllm" in systems:
+                results["vllm"] = run_vllm(vllm_python, path, prompts_file, v, reserve_none=False)
+                results["vllm-all-cores"] = run_vllm(vllm_python, path, prompts_file, v, reserve_none=True)
+            if v.weights == "float" and "transformers" in systems:
+                results["transformers"] = run_transformers(path, prompts, v, "cuda" if _on_gpu(device) else "cpu")
+            if v.decode_batches:
+                decode += _decode_rates(path, v, device, step, copy_gbs, **kw)
+                copy_gbs = decode[-1]["copy_gbs"]
     vllm_rates = [
         results[k]["output_tok_s"] for k in ("vllm", "vllm-all-cores") if "output_tok_s" in results.get(k, {})
     ]
     ratio = results["engine"]["output_tok_s"] / max(vllm_rates) if vllm_rates and "engine" in results else None
-    return {
-        "workload": asdict(w),
-        "model_dir": model_dir
-        if model_dir and not model_dir.startswith(tempfile.gettempdir())
-        else "(built, temporary)",
+    result = {
+        "workload": asdict(variants[0]),
+        "model_dir": _shown(dirs[variants[0].weights]),
         "step": step,
         "results": results,
         "decode": decode,
@@ -383,6 +411,28 @@ def run(
         "load_average_after": os.getloadavg()[0],
         "versions": _versions(),
     }
+    if len(variants) > 1:
+        result["weights"] = [weights_label(v) for v in variants]
+        result["model_dirs"] = {weights_label(v): _shown(dirs[v.weights]) for v in variants}
+        result["fp8_over_float_decode"] = _fp8_ratios(decode)
+    return result
+
+
+def _shown(model_dir: str) -> str:
+    """A model directory as the results name it: a temporary one is gone after the run."""
+    return model_dir if not model_dir.startswith(tempfile.gettempdir()) else "(built, temporary)"
+
+
+def _fp8_ratios(decode: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """fp8 over float decode tok/s at each batch size both were run at."""
+    by_weights: dict[str, dict[int, float]] = {}
+    for row in decode:
+        kind = "fp8" if row["weights"] == "fp8" else "float"
+        by_weights.setdefault(kind, {})[row["batch"]] = row["decode_tok_s"]
+    fp8, base = by_weights.get("fp8", {}), by_weights.get("float", {})
+    return [
+        {"batch": b, "fp8_tok_s": fp8[b], "float_tok_s": base[b], "ratio": fp8[b] / base[b]} for b in fp8 if b in base
+    ]
 
 
 def _accelerator_type() -> str | None:
@@ -401,13 +451,80 @@ def _on_gpu(device: str | None) -> bool:
     return device not in ("cpu",)
 
 
+def _header(w: dict[str, Any]) -> str:
+    """The workload in one line: requests, tokens, dtype and the model's shape (a preset's layers said against its model's)."""
+    preset = SHAPES.get(w.get("shape", ""))
+    requests = f"{w['num_requests']} requests"
+    if preset is not None and w["num_requests"] < preset.workload.num_requests:
+        requests += f" (the {w['shape']} preset's {preset.workload.num_requests} cut to keep the run short)"
+    elif preset is not None and w["num_requests"] > preset.workload.num_requests:
+        requests += f" (the {w['shape']} preset has {preset.workload.num_requests})"
+    layers = f"{w['num_layers']} layers"
+    if preset is not None and w["num_layers"] < preset.model_layers:
+        layers = f"{w['num_layers']} of {preset.model}'s {preset.model_layers} layers"
+    heads = f"{w['num_heads']}/{w['num_kv_heads']} heads"
+    if w.get("head_dim") is not None:
+        heads += f" of {w['head_dim']}"
+    if w.get("family") == "qwen3_moe":
+        renormalised = ", renormalised" if w["norm_topk_prob"] else ""
+        mlp = (
+            f"{w['num_experts']} experts of {w['moe_intermediate_size']} (top {w['num_experts_per_tok']}{renormalised})"
+        )
+    else:
+        mlp = f"intermediate {w['intermediate_size']}"
+    return (
+        f"{requests} x {w['prompt_len']} prompt / {w['output_len']} output tokens, greedy, {w['dtype']}; "
+        f"hidden {w['hidden_size']}, {layers}, {heads}, {mlp}, vocab {w['vocab_size']}"
+    )
+
+
+def _weights_note(result: dict[str, Any]) -> list[str]:
+    """What an fp8 checkpoint holds and which systems ran it (nothing for a float-only run)."""
+    w = result["workload"]
+    labels = result.get("weights", ["fp8" if w.get("weights") == "fp8" else w["dtype"]])
+    if "fp8" not in labels:
+        return []
+    dtype = w["dtype"]
+    floats = [label for label in labels if label != "fp8"]
+    lines = [
+        f"\nfp8 weights: q/k/v/o and gate/up/down in float8_e4m3fn with one float32 scale per output channel "
+        f"(compressed-tensors); embeddings, norms and LM head {dtype}",
+        "fp8 rows: the engine alone (transformers is not needed for them"
+        + (f"; it runs the {floats[0]} checkpoint)" if floats else ")"),
+    ]
+    for r in result.get("fp8_over_float_decode", []):
+        lines.append(f"fp8 / {floats[0]} decode tok/s at batch {r['batch']}: {r['ratio']:.2f}x")
+    return lines
+
+
+def _decode_table(result: dict[str, Any]) -> list[str]:
+    """The decode rows: a weights column when several checkpoints ran, an experts column for a MoE model."""
+    several = len(result.get("weights", [])) > 1
+    moe = any("experts_read_per_layer" in d for d in result["decode"])
+    head = ["batch", *(["weights"] if several else []), "decode tok/s", "step (ms)"]
+    head += [*(["experts read / layer"] if moe else []), "GB/s, all devices", "GB/s per device", "copy GB/s"]
+    head.append("utilisation")
+    lines = ["", "| " + " | ".join(head) + " |", "| " + " | ".join("---:" for _ in head) + " |"]
+    for d in result["decode"]:
+        cells = [str(d["batch"]), *([d["weights"]] if several else [])]
+        cells += [f"{d['decode_tok_s']:,.0f}", f"{d['step_ms']:.2f}"]
+        cells += [f"{d['experts_read_per_layer']:.1f}"] if moe else []
+        cells += [f"{d['achieved_gbs']:.0f}", f"{d.get('device_gbs', d['achieved_gbs']):.0f}", f"{d['copy_gbs']:.0f}"]
+        cells.append(f"{d['bandwidth_utilisation']:.0%}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if moe:
+        k, e = result["workload"]["num_experts_per_tok"], result["workload"]["num_experts"]
+        lines.append(
+            f"\nexperts read: each layer's expected distinct experts under uniform routing, E*(1-(1-k/E)^B) "
+            f"with E = {e}, k = {k}, B = the batch"
+        )
+    return lines
+
+
 def render(result: dict[str, Any]) -> str:
     """The results as a Markdown table."""
-    w = result["workload"]
     lines = [
-        f"{w['num_requests']} requests x {w['prompt_len']} prompt / {w['output_len']} output tokens, greedy, "
-        f"{w['dtype']}; hidden {w['hidden_size']}, {w['num_layers']} layers, {w['num_heads']}/{w['num_kv_heads']} "
-        f"heads, intermediate {w['intermediate_size']}, vocab {w['vocab_size']}",
+        _header(result["workload"]),
         "",
         "| system | output tok/s | TTFT, all first tokens (s) | mean TTFT in run (s) | wall (s) |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -425,62 +542,141 @@ def render(result: dict[str, Any]) -> str:
             f"replay captured graphs at {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]})" if sizes else "run eagerly"
         )
         lines.append(f"\nengine: decode steps {how}; tensor parallel size {engine['tensor_parallel_size']}")
+    experts = result["results"].get("transformers", {}).get("experts_implementation")
+    if experts:
+        lines.append(f"transformers: experts implementation {experts!r}")
     if result["engine_over_best_vllm"] is not None:
         lines.append(f"\nengine / faster vLLM configuration: {result['engine_over_best_vllm']:.2f}x")
     if result["decode"]:
-        lines += [
-            "",
-            "| batch | decode tok/s | step (ms) | GB/s, all devices | GB/s per device | copy GB/s | utilisation |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for d in result["decode"]:
-            lines.append(
-                f"| {d['batch']} | {d['decode_tok_s']:,.0f} | {d['step_ms']:.2f} | {d['achieved_gbs']:.0f} | "
-                f"{d.get('device_gbs', d['achieved_gbs']):.0f} | {d['copy_gbs']:.0f} | {d['bandwidth_utilisation']:.0%} |"
-            )
+        lines += _decode_table(result)
+    lines += _weights_note(result)
     lines.append(
         f"\nload average before/after: {result['load_average_before']:.2f} / {result['load_average_after']:.2f}"
     )
     return "\n".join(lines)
 
 
-def main(args: Any) -> int:
-    """``vllm-port bench engine``: run, print the table, write ``--json``. Returns the exit status."""
-    base = H200_WORKLOAD if args.h200 else CPU_WORKLOAD
-    overrides = {
-        k: getattr(args, k)
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "vocab_size",
-            "num_requests",
-            "prompt_len",
-            "output_len",
-            "dtype",
-        )
-        if getattr(args, k, None) is not None
-    }
+_SIZE_FLAGS = {
+    "hidden_size": "--hidden-size",
+    "intermediate_size": "--intermediate-size",
+    "num_layers": "--layers",
+    "num_heads": "--heads",
+    "num_kv_heads": "--kv-heads",
+    "head_dim": "--head-dim",
+    "vocab_size": "--vocab-size",
+    "num_requests": "--num-requests",
+    "prompt_len": "--prompt-len",
+    "output_len": "--output-len",
+}
+_MOE_FLAGS = {
+    "num_experts": "--num-experts",
+    "num_experts_per_tok": "--experts-per-tok",
+    "moe_intermediate_size": "--moe-intermediate-size",
+}
+
+
+def resolve_flags(args: Any) -> tuple[Workload, tuple[str, ...], tuple[str, ...]]:
+    """The workload, the checkpoints (keys of :data:`~.engine_workload.WEIGHTS`) and the systems that ``args`` ask for.
+
+    :raises FlagError: for a flag, or a combination of flags, that cannot run, naming the flag.
+    """
+    shape = getattr(args, "shape", None)
+    if args.h200 and shape not in (None, "llama3-8b"):
+        raise FlagError(f"--h200 is --shape llama3-8b; it cannot go with --shape {shape}: drop one")
+    base = SHAPES[shape].workload if shape else H200_WORKLOAD if args.h200 else CPU_WORKLOAD
+    overrides: dict[str, Any] = {}
+    for key, flag in {**_SIZE_FLAGS, **_MOE_FLAGS}.items():
+        value = getattr(args, key, None)
+        if value is None:
+            continue
+        if value <= 0:
+            raise FlagError(f"{flag} must be positive, got {value}")
+        if key in _MOE_FLAGS and not base.is_moe:
+            raise FlagError(f"{flag} is for a mixture-of-experts shape (--shape qwen3-30b-a3b); this one is dense")
+        overrides[key] = value
+    if args.dtype is not None:
+        overrides["dtype"] = args.dtype
     if args.decode_batches is not None:
-        overrides["decode_batches"] = tuple(int(b) for b in args.decode_batches.split(",") if b)
-    w = replace(base, **overrides)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    systems = tuple(args.systems.split(","))
-    result = run(
-        w,
-        args.model,
-        args.device,
-        args.vllm_python,
-        systems,
-        args.step,
-        args.seed,
-        args.tensor_parallel_size,
-        args.enforce_eager,
-        args.save_model,
-    )
+        try:
+            batches = tuple(int(b) for b in args.decode_batches.split(",") if b)
+        except ValueError:
+            batches = (0,)
+        if any(b <= 0 for b in batches):
+            raise FlagError(f"--decode-batches must be comma-separated positive integers, got {args.decode_batches!r}")
+        overrides["decode_batches"] = batches
+    weights = _resolve_weights(getattr(args, "weights", None), args.dtype, overrides)
+    w = replace(base, **overrides, weights=weights[0])
+    if w.is_moe and w.num_experts_per_tok > w.num_experts:
+        raise FlagError(
+            f"--experts-per-tok {w.num_experts_per_tok} is more than the {w.num_experts} experts (--num-experts)"
+        )
+    if "fp8" in weights and w.is_moe:
+        raise FlagError(
+            f"--weights fp8 needs a dense shape: the engine loads no FP8 mixture-of-experts checkpoint "
+            f"(fused_moe takes float experts), and --shape {w.shape or 'qwen3-30b-a3b'} is one"
+        )
+    if "fp8" in weights and args.tensor_parallel_size > 1:
+        raise FlagError("--weights fp8 runs on one device: the engine does not shard an FP8 checkpoint "
+                        f"(--tensor-parallel-size {args.tensor_parallel_size})")  # fmt: skip
+    if args.model is not None and len(weights) > 1:
+        raise FlagError(f"--model is one checkpoint; --weights {args.weights} lists {len(weights)}: drop one")
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise FlagError(f"--systems {args.systems!r}: each must be one of {', '.join(SYSTEMS)}")
+    if "float" not in weights and {"transformers", "vllm"} & set(systems):
+        raise FlagError(
+            f"--systems {args.systems}: transformers and vLLM run a float checkpoint, and --weights {args.weights} "
+            "lists none (add bf16, or run --systems engine)"
+        )
+    return w, weights, systems
+
+
+def _resolve_weights(flag: str | None, dtype_flag: str | None, overrides: dict[str, Any]) -> tuple[str, ...]:
+    """``--weights`` as keys of :data:`~.engine_workload.WEIGHTS`, float first; a float name sets the dtype."""
+    if flag is None:
+        return ("float",)
+    names = [n for n in flag.split(",") if n]
+    choices = [*FLOAT_WEIGHTS, "fp8"]
+    unknown = [n for n in names if n not in choices]
+    if unknown or not names or len(set(names)) != len(names):
+        raise FlagError(f"--weights {flag!r}: a comma-separated list of distinct names of {', '.join(choices)}")
+    floats = [n for n in names if n in FLOAT_WEIGHTS]
+    if len(floats) > 1:
+        raise FlagError(f"--weights {flag}: at most one float checkpoint (beside fp8), got {', '.join(floats)}")
+    if floats:
+        dtype = FLOAT_WEIGHTS[floats[0]]
+        if dtype_flag is not None and dtype_flag != dtype:
+            raise FlagError(
+                f"--weights {floats[0]} and --dtype {dtype_flag} disagree: a float checkpoint is stored in the "
+                "run's dtype (drop --dtype)"
+            )
+        overrides["dtype"] = dtype
+    return tuple(["float"] * bool(floats) + ["fp8"] * ("fp8" in names))
+
+
+def main(args: Any) -> int:
+    """``vllm-port bench engine``: run, print the table, write ``--json``. Returns the exit status (2: bad flags)."""
+    try:
+        w, weights, systems = resolve_flags(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        result = run(
+            w,
+            args.model,
+            args.device,
+            args.vllm_python,
+            systems,
+            args.step,
+            args.seed,
+            args.tensor_parallel_size,
+            args.enforce_eager,
+            args.save_model,
+            weights,
+        )
+    except FlagError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result["command"] = " ".join(["vllm-port", *sys.argv[1:]])
     print(render(result))
     if args.json:
