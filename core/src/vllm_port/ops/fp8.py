@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..errors import OpInputError
 from ._checks import check_float, first_bad, reads_values
 from ._op import ErrorInput, Op, SampleInput, Tolerance, Variants
+from .linear import nan_padded_rows
 
 __all__ = [
     "FP8_DTYPE",
@@ -308,6 +309,7 @@ def _fp8_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator)
     q, s = weight(96, 256, "channel")
     transposed = q.t().contiguous().t()  # stored [in_features, out_features]
     wide = torch.randn(6, 3 * 256, generator=gen).to(device, dtype)[:, 256:512]
+    padded = nan_padded_rows(torch.randn(36, 3, generator=gen).to(device, dtype))
     samples = [
         case("small, per tensor", 7, 64, 48, "tensor"),
         case("small, per channel, bias", 7, 64, 48, "channel", bias=True),
@@ -318,6 +320,8 @@ def _fp8_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator)
         case("one row, per tensor, bias", 1, 384, 192, "tensor", bias=True),
         SampleInput("transposed weight (a view)", (x, transposed, s, None)),
         SampleInput("x a slice of a wider row", (wide, *weight(72, 256, "group"), None)),
+        # rows of odd length with NaN between them: torch's CPU bfloat16 GEMM reads it (see packed_rows)
+        SampleInput("x rows of 3 padded with NaN to 4, 36 x 38 outputs", (padded, *weight(38, 3, "tensor"), None)),
     ]
     if device.type != "cpu":
         # the shapes of real models, for devices only (as fused_moe's): the CPU provider dequantises exactly, so

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +62,22 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             )
 
 
+def packed_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, or a contiguous copy where ``x`` is a bfloat16 CPU tensor whose rows are not packed.
+
+    torch's CPU bfloat16 GEMM (2.13, ``F.linear`` and ``matmul``) reads past the end of each row when
+    the rows of ``x`` are padded (a row stride above the row length), the length is odd and the output
+    is large enough for its blocked path (about 1,400 elements): the element after a row is multiplied
+    by zero, so a NaN or Inf in the padding makes outputs NaN and any finite padding goes unseen. Found
+    by the fuzz tests (``bfloat16[6, 6, 3]`` with strides ``(24, 4, 1)``: 456 of 1,368 outputs NaN).
+    Every provider that hands an activation to torch's GEMM on the host passes it through here first;
+    the copy costs a pass over ``x``, only for such views.
+    """
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.is_contiguous():
+        return x.contiguous()
+    return x
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, accumulated in float32 or better, rounded to ``x``'s dtype.
 
@@ -67,7 +85,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``[in_features, out_features]`` tensor. The output is a new contiguous tensor.
     """
     check_linear(x, weight, bias)
-    return F.linear(x, weight, bias).contiguous()
+    return F.linear(packed_rows(x), weight, bias).contiguous()
 
 
 def _embedding_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
@@ -100,6 +118,7 @@ def _linear_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
     x, w, b = parts(5, 256, 384, True)
     transposed = w.t().contiguous().t()  # stored [in_features, out_features], as some checkpoints keep it
     wide_x = torch.randn(6, 3 * 512, generator=gen).to(device, dtype)[:, 512:1024]  # a slice of a wider row
+    padded_x = nan_padded_rows(torch.randn(36, 3, generator=gen).to(device, dtype))
     return [
         case("small", 7, 64, 48, False),
         case("small with bias", 7, 64, 48, True),
@@ -111,7 +130,16 @@ def _linear_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("in_features 1376 (11008 / 8), 65 rows", 65, 1376, 96, False),
         SampleInput("transposed weight (a view)", (x, transposed, b)),
         SampleInput("x a slice of a wider row", (wide_x, parts(1, 512, 96, False)[1], None)),
+        # rows of odd length with NaN between them: torch's CPU bfloat16 GEMM reads it (see packed_rows)
+        SampleInput("x rows of 3 padded with NaN to 4, 36 x 38 outputs", (padded_x, parts(1, 3, 38, False)[1], None)),
     ]
+
+
+def nan_padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, k]`` copied into a view whose rows are ``k + 1`` apart, NaN in each gap: a read past a row shows."""
+    rows, k = x.shape
+    padded = torch.full((rows, k + 1), math.nan, dtype=x.dtype, device=x.device)[:, :k]
+    return padded.copy_(x)
 
 
 def _embedding_errors(device: torch.device) -> list[ErrorInput]:

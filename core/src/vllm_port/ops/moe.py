@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..errors import OpInputError
 from ._checks import check_float, check_same, first_bad, reads_values
 from ._op import ErrorInput, Op, SampleInput, Tolerance, Variants
+from .linear import packed_rows
 
 __all__ = [
     "MOE_ACTIVATIONS",
@@ -155,7 +156,7 @@ def route(
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str) -> torch.Tensor:
     """One expert's gated MLP in ``x``'s dtype: ``(act(x @ gate.T) * (x @ up.T)) @ w2.T``, each product rounded once."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    gate, up = F.linear(packed_rows(x), w13).chunk(2, dim=-1)
     if activation == "silu":
         act = F.silu(gate)
     else:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_port.ops import provider
+from vllm_port.ops.linear import packed_rows
 from vllm_port.ops.moe import check_fused_moe, route
 
 __all__ = ["fused_moe"]
@@ -25,7 +26,7 @@ _ACTIVATIONS = {
 
 
 def _mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
-    h = F.linear(x, w13)
+    h = F.linear(packed_rows(x), w13)
     inter = h.shape[-1] // 2
     return F.linear(act(h[:, :inter]).mul_(h[:, inter:]), w2)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from vllm_port.ops import Provider, provider
 from vllm_port.ops.activation import check_gated, check_gelu_and_mul
 from vllm_port.ops.fp8 import check_fp8_linear, dequantize_fp8_weight
-from vllm_port.ops.linear import check_embedding, check_linear
+from vllm_port.ops.linear import check_embedding, check_linear, packed_rows
 from vllm_port.ops.norm import check_fused_add_rms_norm, check_rms_norm
 from vllm_port.ops.rotary import check_rotary_embedding
 
@@ -100,7 +100,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # the reorder every call does (20-35% of a decode step's GEMMs here)
         packed = _packed_weight(weight, x.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)  # oneDNN / MKL GEMM with float32 accumulation for half types
+    return F.linear(packed_rows(x), weight, bias)  # oneDNN / MKL GEMM with float32 accumulation for half types
 
 
 @provider("fp8_linear", name="cpu_fp8_linear", priority=10)
@@ -111,7 +111,7 @@ def fp8_linear(
     # its FP8 bytes, half of bfloat16's) and multiplied exactly, as the reference does, with no activation
     # quantisation: more accurate than the contract requires.
     check_fp8_linear(x, weight, weight_scale, bias)
-    return F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias).contiguous()
+    return F.linear(packed_rows(x), dequantize_fp8_weight(weight, weight_scale, x.dtype), bias).contiguous()
 
 
 @provider("rotary_embedding", name="cpu_rotary_embedding", priority=10)
