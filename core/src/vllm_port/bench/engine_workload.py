@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,8 @@ H200_WORKLOAD = Workload(
     shape="llama3-8b",
 )
 #: Issue 29's MoE workload: Qwen3-30B-A3B's shape in bf16, 8 of its 48 layers (the whole model is ~61 GB).
-QWEN3_30B_A3B_WORKLOAD = Workload(
+QWEN3_30B_A3B_WORKLOAD = replace(
+    H200_WORKLOAD,  # the same requests, lengths, dtype and decode batches
     hidden_size=2048,
     intermediate_size=6144,  # the config's dense width: unused, every layer is sparse
     num_layers=8,
@@ -146,11 +147,6 @@ QWEN3_30B_A3B_WORKLOAD = Workload(
     vocab_size=151936,
     rope_theta=1000000.0,
     max_position_embeddings=40960,
-    num_requests=256,
-    prompt_len=512,
-    output_len=256,
-    dtype="bfloat16",
-    decode_batches=(1, 64),
     shape="qwen3-30b-a3b",
     family="qwen3_moe",
     head_dim=128,
