@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ...device_properties import compute_units
 from ...ops import BindContext
-from ...ops.linear import check_linear
+from ...ops.linear import check_linear, packed_rows
 from ..triton_target import LinearTiles, TritonTarget
 
 __all__ = ["LinearKernels"]
@@ -204,7 +204,7 @@ class LinearKernels:
         """``x @ weight.T + bias`` (see :func:`vllm_port.ops.linear.linear_reference`)."""
         check_linear(x, weight, bias)
         if not self.serves(x, weight, bias):
-            return F.linear(x, weight, bias).contiguous()
+            return F.linear(packed_rows(x), weight, bias).contiguous()
         return self._launch(x, weight, bias)
 
     def _launch(
