@@ -59,7 +59,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 #: An entry leaves when its weight is freed (``weakref.finalize``), so an ``id`` is never reused stale;
 #: the version and data pointer catch a weight changed in place.
 _PACKED: dict[int, tuple[int, int, torch.Tensor]] = {}
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+#: oneDNN packs bfloat16 weights only where the CPU has the instructions for it (AVX-512 BW/VL/DQ or
+#: AVX-NE-CONVERT; an AVX2-only EPYC has neither and refuses the reorder): elsewhere bfloat16 takes F.linear
+_ONEDNN_DTYPES = (
+    (torch.float32, torch.bfloat16) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+)
 #: bfloat16 products with more rows (prefill) run as fast through F.linear, which is oneDNN too
 _ONEDNN_MAX_HALF_ROWS = 512
 
