@@ -111,6 +111,7 @@ def test_engine_and_transformers_agree_and_report(tmp_path) -> None:
     assert result["results"]["engine"]["platform"] == "cpu"
 
 
+@pytest.mark.slow
 def test_decode_rates_carry_bandwidth_utilisation(tmp_path) -> None:
     w = replace(TINY, decode_batches=(1, 2))
     rows = engine._decode_rates(engine.build_model(tmp_path / "m", w), w, "cpu", "eager")

@@ -16,6 +16,7 @@ def test_moe_shapes_are_the_benchmarks_shapes() -> None:
     assert list(MOE_SHAPES) == list(moe.SHAPES)
 
 
+@pytest.mark.slow
 def test_a_cpu_smoke_run_writes_a_row_per_token_count(tmp_path, capsys) -> None:
     out = tmp_path / "moe.json"
     argv = ["bench", "moe", "--device", "cpu", "--shape", "tiny", "--tokens", "1,3", "--json", str(out)]

@@ -47,6 +47,7 @@ def test_join_dash_values_leaves_other_arguments_alone() -> None:
     assert join_dash_values(["doctor", "--plugins", "--json"]) == ["doctor", "--plugins", "--json"]
 
 
+@pytest.mark.slow
 def test_doctor_with_the_readmes_deny_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--plugins", "-cuda,-rocm,-xpu", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -186,6 +187,7 @@ def test_help_into_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
     assert done.stderr == "" and done.returncode in (0, 1)  # 0 where argparse drops its own failed write
 
 
+@pytest.mark.slow
 def test_a_commands_output_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     done = _into_closed_pipe("new-plugin", "chip", "--path", str(tmp_path / "chip"))
     assert (done.returncode, done.stderr) == (1, "")

@@ -80,6 +80,7 @@ def _top_level_imports(path: Path) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", sorted(DISTRIBUTIONS))
 def test_every_top_level_import_is_a_declared_distribution(source: str) -> None:
     name, packages = DISTRIBUTIONS[source].name, DISTRIBUTIONS[source].packages

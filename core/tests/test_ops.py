@@ -41,6 +41,7 @@ def test_error_inputs_raise_naming_the_op_and_argument(op):
         assert str(info.value).startswith(f"{op.name}:"), case.label
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ALL_OPS, ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reference_is_within_its_own_tolerance_and_samples_are_random(op, dtype):
@@ -75,6 +76,7 @@ def _meta(value):
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", [op for op in ALL_OPS if op.fake is not None], ids=lambda op: op.name)
 def test_fakes_describe_the_output_of_every_sample(op):
     """What torch.compile assumes (shape, dtype, contiguous strides) is what the reference returns, sample by sample."""
@@ -92,6 +94,7 @@ def test_fakes_describe_the_output_of_every_sample(op):
             assert r.is_contiguous(), sample.label
 
 
+@pytest.mark.slow
 def test_every_op_has_samples_with_views():
     """Each op with tensor inputs is sampled with a strided view among them (a slice, a transpose)."""
     for op in ALL_OPS:

@@ -154,6 +154,7 @@ def test_json_holds_nodes_step_time_groups_and_what_the_profile_explains(report)
     assert "captured: not timed (platform 'cpu' has no graph capture" in text
 
 
+@pytest.mark.slow
 def test_a_profile_compared_with_itself_has_no_regression_and_a_slower_provider_is_named(report):
     same = compare(report, report)
     assert same["ok"] and same["regressions"] == [] and same["improvements"] == []
@@ -181,6 +182,7 @@ def test_a_fusion_that_stops_firing_is_a_graph_regression(report):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [
@@ -290,6 +292,7 @@ class _PausedReplay(GraphCapture):
         return replay
 
 
+@pytest.mark.slow
 def test_the_decode_step_is_captured_and_its_replay_timed_where_the_platform_captures(bundled, monkeypatch):
     from vllm_port.profile import collect
 
@@ -332,6 +335,7 @@ def test_a_platform_that_claims_graph_capture_but_serves_none_is_reported_not_ra
     assert capture is None and "no plugin answered" in why
 
 
+@pytest.mark.slow
 def test_the_captured_step_is_compared_where_both_runs_captured_it(report):
     base = copy.deepcopy(report)
     base["phases"]["decode"].update(captured_step_time_us=1000.0, captured_step_spread_us=10.0)

@@ -100,6 +100,7 @@ def test_the_json_has_the_shape_of_the_core_profile(profiles):
     assert set(imported["phases"]["decode"]["stack_layers"]) == set(STACK_LAYERS)
 
 
+@pytest.mark.slow
 def test_profiling_the_imported_model_twice_gives_the_same_node_list(llama_dir, profiles, one_thread):
     runtime = vllm_port.load(device="cpu")
     model = load_profile_model(llama_dir, runtime, importer="hf")
@@ -123,6 +124,7 @@ def test_a_core_baseline_is_refused_for_an_imported_profile_and_the_other_way_ro
     )
 
 
+@pytest.mark.slow
 def test_an_imported_profile_compared_with_its_own_baseline_runs(llama_dir, profiles, capsys):
     imported = profiles["dir"] / "imported.json"
     status = main(
@@ -133,6 +135,7 @@ def test_an_imported_profile_compared_with_its_own_baseline_runs(llama_dir, prof
     assert "imported by 'hf'" in out
 
 
+@pytest.mark.slow
 def test_native_nodes_in_an_imported_lm_head_are_nodes_of_their_own(one_thread):
     runtime = vllm_port.load(device="cpu")
     model = import_model(build_tiny_model("gemma2"), runtime)  # final logit soft cap: div, tanh, mul after the head

@@ -56,6 +56,7 @@ def test_index_arguments_in_each_allowed_dtype_as_offset_views_of_one_buffer(op)
         assert floats and all(a.storage_offset() > 0 for a in floats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", [op for op in DECLARED if op.variants.rows], ids=lambda op: op.name)
 def test_row_counts_past_each_tile_and_one_row(op):
     found = _variants(op)

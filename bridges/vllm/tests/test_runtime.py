@@ -63,6 +63,7 @@ def test_a_plugin_that_fails_to_load_stops_the_bridge_by_name(
         sys.modules.pop("vllm_port_test_broken", None)
 
 
+@pytest.mark.slow
 def test_a_kernel_that_fails_its_smoke_check_stops_the_bridge_by_name(
     certified: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -77,6 +78,7 @@ def test_a_kernel_that_fails_its_smoke_check_stops_the_bridge_by_name(
         b.kernels(torch.float32)
 
 
+@pytest.mark.slow
 def test_the_platform_plugin_leaves_a_device_vllm_knows_to_vllm(certified: Path) -> None:
     from vllm_port_vllm import platform
 

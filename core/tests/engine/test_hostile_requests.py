@@ -85,6 +85,7 @@ def test_a_field_changed_after_construction_is_refused_by_generate(bundled):
 # --- prompts --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_lone_surrogate_gets_a_per_request_error_and_the_batch_runs(bundled):
     outs = bundled.generate(["\ud800abc", "The sea", "ok\udfff"], GREEDY)
     first, second, third = (o.outputs[0] for o in outs)
@@ -196,6 +197,7 @@ def test_a_ten_million_position_config_builds_a_table_for_what_the_cache_holds(t
     assert time.perf_counter() - started < 60
 
 
+@pytest.mark.slow
 def test_the_rope_table_covers_max_model_len_and_no_more(cpu_runtime):
     with LLM(device=cpu_runtime, max_model_len=64, kv_cache_memory=8 << 20) as llm:
         assert llm.runner.model.cos_sin_cache.shape == (64, 64)

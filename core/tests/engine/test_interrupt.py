@@ -59,6 +59,7 @@ def vllm_port_providers():
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_provider_is_held_until_the_step_ends_then_every_block_is_free(install_plugin, llama_model):
     module = install_plugin("sigcpu", SIGNALLING_CPU)
     runtime = vllm_port.load(plugins="cpu,sigcpu", device="sigcpu")
@@ -76,6 +77,7 @@ def test_ctrl_c_in_a_provider_is_held_until_the_step_ends_then_every_block_is_fr
     assert_pool_empty(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["pool", "swap_pool"])
 def test_ctrl_c_while_blocks_are_handed_out_or_swapped_leaks_none(install_plugin, llama_model, pool):
     install_plugin("loadcpu", SWAPPING_CPU)

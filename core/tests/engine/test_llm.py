@@ -20,6 +20,7 @@ FAMILIES = ["llama", "qwen2", "mistral"]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_generate(engine_models, cpu_runtime, family):
     model_dir = engine_models[family]
@@ -70,6 +71,7 @@ def test_greedy_output_does_not_change_after_preemption_by_recompute(llama_model
     assert_pool_empty(llm)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(llama_model, cpu_runtime):
     batch = prompts([5, 9, 13], seed=3)
     llm = make_llm(llama_model, cpu_runtime, max_num_batched_tokens=6, block_size=4)
@@ -320,6 +322,7 @@ def _flat_step(runner):  # what default_step gives on platforms that capture gra
     return flat_step(FlatModel(runner.model, runner.runtime, compile=False, block_size=runner.block_size))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_step", [None, _flat_step], ids=["model-forward", "flat-graphs"])
 def test_decode_steps_replay_captured_graphs_where_the_platform_captures(
     llama_model, cpu_runtime, alone, monkeypatch, make_step

@@ -339,6 +339,7 @@ def vllm_port_reclaimer(platform):
 )
 
 
+@pytest.mark.slow
 def test_hundreds_of_requests_on_the_real_model_match_a_roomy_run(install_plugin, llama_model):
     """240 requests on the tiny Llama with a pool of 24 blocks of 4 tokens and swap space for 16 more."""
     install_plugin("loadcpu", SWAPPING_CPU)

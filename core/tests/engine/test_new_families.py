@@ -80,6 +80,7 @@ def test_tensor_parallel_refuses_a_moe_model_naming_the_field(family_dirs):
         check_shardable(load_config(family_dirs["mixtral"]), 2)
 
 
+@pytest.mark.slow
 def test_inspect_shows_fused_moe_as_a_contract_node(family_dirs, capsys):
     code = main(["inspect", str(family_dirs["qwen3_moe"]), "--device", "cpu", "--json"])
     captured = capsys.readouterr()

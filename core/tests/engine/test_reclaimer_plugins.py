@@ -94,6 +94,7 @@ def vllm_port_reclaimer(platform):
 PRESSURE = dict(block_size=4, kv_cache_memory=16 * 4096, max_model_len=64)
 
 
+@pytest.mark.slow
 def test_a_plugin_replaces_the_reclaimer_alone_and_the_engine_follows_it(install_plugin, llama_model, alone):
     module = install_plugin("newestfirst", RECORDING)
     runtime = vllm_port.load(plugins="cpu,newestfirst")

@@ -76,6 +76,7 @@ def test_skip_special_tokens_decodes_as_tokenizers_does(llama_model, skip):
     assert ("</s>" in text) is not skip
 
 
+@pytest.mark.slow
 def test_skip_special_tokens_reaches_the_output(llm, llama_model):
     reference = HfTokenizer.from_file(str(llama_model / "tokenizer.json"))
     candidates = prompts([4] * 32, seed=11)

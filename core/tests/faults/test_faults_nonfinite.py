@@ -100,6 +100,7 @@ def test_a_row_of_nan_ends_only_its_request_and_its_blocks_are_not_cached(faulty
     assert again.finish_reason == "length" and llm.scheduler.pool.stats().hits == hits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_nan_in_the_last_step_never_reaches_the_user(faulty_runtime, mode):
     llm = LLM(device=faulty_runtime("embedding NaN last row"), kv_cache_memory=4 << 20)

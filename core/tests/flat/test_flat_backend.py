@@ -57,6 +57,7 @@ def test_compiled_decode_step_has_no_graph_break_and_runs_with_inductor(models, 
     assert report.eager_pieces == layers and report.pieces == layers + 1  # attention runs between compiled pieces
 
 
+@pytest.mark.slow
 def test_backend_by_name_takes_options_and_refuses_unknown_ones(models, cpu_runtime):
     model = models["qwen2"]
     ops = flat.traceable_ops(cpu_runtime.bind(torch.float32))
@@ -117,6 +118,7 @@ def test_every_mode_gives_transformers_logits(models, tiny_dirs, cpu_runtime, fa
         assert_fp32_close(logits, talk.expected_decode(model_dir, t))
 
 
+@pytest.mark.slow
 def test_pieces_with_nothing_to_generate_run_as_traced(models, tiny_dirs, cpu_runtime):
     model = models["mistral"]
     runner = FlatModel(model, cpu_runtime, compile=True, block_size=4)  # compile_trivial off: the default

@@ -9,6 +9,7 @@ import pytest
 from vllm_port.cli import main
 
 
+@pytest.mark.slow
 def test_bench_model_runs_the_modes_and_writes_json(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "model.json"

@@ -53,6 +53,7 @@ def test_batches_the_graphs_cannot_hold_are_refused():
     assert padded_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
+@pytest.mark.slow
 def test_the_graphs_keep_their_step_alive():
     """A graph holds raw addresses of what its step closed over: that memory must not be freed under it."""
     import gc
@@ -97,6 +98,7 @@ def test_capturing_is_marked_so_value_checks_stand_aside():
     assert seen and all(s == (True, False) for s in seen)
 
 
+@pytest.mark.slow
 def test_padding_rows_leave_the_cache_untouched(tiny_dirs, cpu_runtime):
     model = load_model(tiny_dirs["qwen2"], torch.device("cpu"), torch.float32)
     runner = FlatModel(model, cpu_runtime, compile=False, block_size=4)

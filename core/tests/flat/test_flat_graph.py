@@ -38,6 +38,7 @@ def test_decode_graph_is_contract_ops_with_named_weights_shapes_and_layers(model
     assert graph.counts()["contract"] == len(ops) and graph.counts()["native"] > 0
 
 
+@pytest.mark.slow
 def test_two_builds_print_the_same_and_phases_differ(models, cpu_runtime):
     kernels = cpu_runtime.bind(torch.float32)
     first = flat.trace(models["qwen2"], kernels, phase="prefill")
@@ -52,6 +53,7 @@ def test_two_builds_print_the_same_and_phases_differ(models, cpu_runtime):
     assert reference != decode and reference.text(providers=False) == decode.text(providers=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_eager_graph_before_and_after_passes_is_the_model(models, tiny_dirs, cpu_runtime, family):
     model = models[family]

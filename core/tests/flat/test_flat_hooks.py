@@ -67,6 +67,7 @@ def llama(tiny_dirs):
     return load_model(tiny_dirs["llama"], torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.slow
 def test_plugin_pass_runs_after_core_fusions_and_is_reported(install_plugin, llama):
     module = install_plugin("sinker", PASSES_PLUGIN)
     runtime = vllm_port.load(plugins="cpu,sinker")
@@ -94,6 +95,7 @@ def test_a_failing_plugin_pass_names_the_plugin_and_the_pass(install_plugin, lla
         apply_passes(flat.trace(llama, runtime.bind(torch.float32)), runtime)
 
 
+@pytest.mark.slow
 def test_platform_without_a_compiler_runs_the_model_eagerly_and_exactly(install_plugin, llama, tiny_dirs):
     # a new chip on day one: no Inductor code generation, no graph capture, a plugin of API 1.0 (no new hooks)
     install_plugin(

@@ -11,6 +11,7 @@ from vllm_port.cli import main
 FAMILIES = ["llama", "qwen2", "mistral"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inspect_json_lists_contract_nodes_with_providers_and_fusions(tiny_dirs, capsys, family):
     assert main(["inspect", str(tiny_dirs[family]), "--device", "cpu", "--json"]) == 0
@@ -32,6 +33,7 @@ def test_inspect_json_lists_contract_nodes_with_providers_and_fusions(tiny_dirs,
     assert prefill["digest"] != report["graphs"]["decode"]["digest"]
 
 
+@pytest.mark.slow
 def test_inspect_prints_a_table_and_the_stable_graph_text(tiny_dirs, capsys):
     assert main(["inspect", str(tiny_dirs["qwen2"]), "--device", "cpu", "--phase", "decode"]) == 0
     out = capsys.readouterr().out

@@ -108,6 +108,7 @@ def test_gated_patterns_that_are_not_the_op_are_left_alone(cpu_runtime, case):
     torch.testing.assert_close(after, before)
 
 
+@pytest.mark.slow
 def test_passes_on_the_model_fuse_every_layer(tiny_dirs, cpu_runtime):
     model = load_model(tiny_dirs["llama"], torch.device("cpu"), torch.float32)
     layers = model.config.num_layers

@@ -79,6 +79,7 @@ def honours_contract(op: Op, case: Case, fns: list[Fn]) -> None:
             assert problem is None, f"{name} on {case!r}: {problem}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", NAMES)
 @fuzz_settings(100)
 @given(data=st.data())
@@ -110,6 +111,7 @@ def _snapshot(args: tuple[Any, ...]) -> dict[int, torch.Tensor]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", NAMES)
 @fuzz_settings(150)
 @given(data=st.data())
@@ -158,6 +160,7 @@ def test_value_checks_skip_tensors_without_values():
         check_embedding(ids, weight)
 
 
+@pytest.mark.slow
 def test_the_environment_turns_validation_on_for_the_process():
     import subprocess
     import sys

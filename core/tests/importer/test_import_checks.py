@@ -46,6 +46,7 @@ def test_a_branch_on_the_token_count_is_refused_not_frozen_at_the_traced_count(c
 # --- the import check ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_sliding_window_applied_through_the_mask_alone_is_refused(cpu_runtime):
     model = build_tiny_model("mistral")  # window 8, passed to the attention function by every layer
     unwindowed = copy.copy(model.config)
@@ -70,6 +71,7 @@ def test_per_layer_windows_are_checked_against_layer_types(cpu_runtime):
         import_model(model, cpu_runtime, verify=False)
 
 
+@pytest.mark.slow
 def test_the_import_check_wants_the_same_greedy_tokens_not_only_close_logits(cpu_runtime, monkeypatch):
     model = build_tiny_model("qwen2")
     base = model.model.forward
@@ -99,6 +101,7 @@ class _RecordingOps:
         return self._ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
+@pytest.mark.slow
 def test_the_import_check_uses_the_platforms_kv_block_size(cpu_runtime):
     shapes: list[tuple[int, ...]] = []
     runtime = SimpleNamespace(
@@ -140,6 +143,7 @@ def test_the_in_place_proof_follows_views_and_split_pieces_and_stops_at_aliases(
     assert not writable(_traced_output(lambda x, w: heads(x), x, w))
 
 
+@pytest.mark.slow
 def test_rotary_is_proven_writable_on_the_fused_graph_it_rewrites(cpu_runtime):
     model = import_model(build_tiny_model("llama"), cpu_runtime)
     for layer in model.layers:
@@ -156,6 +160,7 @@ def test_rotary_is_proven_writable_on_the_fused_graph_it_rewrites(cpu_runtime):
         assert bases[0].args[2].target == "self_attn_q_proj_k_proj_v_proj_weight"
 
 
+@pytest.mark.slow
 def test_dtype_casts_left_native_are_reported(cpu_runtime):
     class SiluInFloat64(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,6 +178,7 @@ def test_dtype_casts_left_native_are_reported(cpu_runtime):
 # --- refusals that name the model and the fix ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_layer_that_attends_twice_is_refused_naming_the_model(cpu_runtime):
     model = build_tiny_model("llama")
     attention = model.model.layers[0].self_attn

@@ -45,6 +45,7 @@ def test_gemma3s_rotary_per_layer_type_is_refused_not_a_type_error(cpu_runtime):
 LLAMA_48 = dict(head_dim=48, hidden_size=192, num_attention_heads=4, num_key_value_heads=1)
 
 
+@pytest.mark.slow
 def test_a_correct_bfloat16_import_past_the_fixed_tolerance_passes_on_the_float32_truth(cpu_runtime, monkeypatch):
     """A correct Llama with head_dim 48 whose bfloat16 logits differ from transformers' by more than the fixed
     tolerance (here made 0.002 so that the tiny model crosses it, as a real one crossed 0.1): the float32 second
@@ -68,6 +69,7 @@ class _Scaled:
         return self.model.compute_logits(ops, hidden) * 1.03
 
 
+@pytest.mark.slow
 def test_a_wrong_bfloat16_import_is_still_refused_with_both_measurements(cpu_runtime, monkeypatch):
     monkeypatch.setitem(_verify.VERIFY_TOLERANCE, torch.bfloat16, 2e-3)
     monkeypatch.setitem(_verify.TIE_MARGIN, torch.bfloat16, 10.0)

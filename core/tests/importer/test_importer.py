@@ -48,6 +48,7 @@ def engine_tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_greedy_output_equals_transformers_generate(cpu_runtime, family):
     model = build_tiny_model(family)
@@ -59,6 +60,7 @@ def test_imported_greedy_output_equals_transformers_generate(cpu_runtime, family
     assert llm.tokenizer is None and llm.runner.model.report.verify_error < 1e-4
 
 
+@pytest.mark.slow
 def test_llm_imports_a_model_directory_through_transformers(cpu_runtime, tmp_path):
     path = save_tiny_model("qwen2", tmp_path / "qwen2")
     batch = prompts([12])
@@ -69,6 +71,7 @@ def test_llm_imports_a_model_directory_through_transformers(cpu_runtime, tmp_pat
     assert llm.runner.model.config.architecture == "Qwen2ForCausalLM"
 
 
+@pytest.mark.slow
 def test_every_subgraph_of_a_llama_family_model_maps_to_contract_ops(cpu_runtime):
     model = import_model(build_tiny_model("mistral"), cpu_runtime)
     per_layer = Counter((m.piece, m.pattern) for m in model.report.mapped)
@@ -103,6 +106,7 @@ class ScaleNorm(torch.nn.Module):
         return self.g * x / x.norm(dim=-1, keepdim=True).clamp_min(1e-5) * math.sqrt(x.shape[-1])
 
 
+@pytest.mark.slow
 def test_unrecognised_pieces_stay_native_and_still_match_transformers(cpu_runtime):
     model = build_tiny_model("llama")
     for layer in model.model.layers:
@@ -159,6 +163,7 @@ def test_an_unsupported_architecture_is_refused_naming_what_is_missing(cpu_runti
         LLM(build_tiny_model("llama"), device=cpu_runtime, importer="onnx")
 
 
+@pytest.mark.slow
 def test_a_layer_that_cannot_be_traced_is_named_with_the_fix(cpu_runtime):
     model = build_tiny_model("llama")
     mlp = model.model.layers[1].mlp
@@ -168,6 +173,7 @@ def test_a_layer_that_cannot_be_traced_is_named_with_the_fix(cpu_runtime):
         import_model(model, cpu_runtime)
 
 
+@pytest.mark.slow
 def test_a_skeleton_the_importer_does_not_reproduce_fails_the_import_check(cpu_runtime):
     model = build_tiny_model("qwen2")
     base = model.model.forward

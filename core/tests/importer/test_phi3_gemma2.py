@@ -30,6 +30,7 @@ def per_layer(report) -> Counter:
 # --- Phi-3 ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_phi3_fused_projections_are_recognised_by_what_the_graph_computes(cpu_runtime):
     model = import_model(build_tiny_model("phi3"), cpu_runtime)
     report = model.report
@@ -70,6 +71,7 @@ def _longrope(original: int, max_positions: int) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_phi3_longrope_is_served_up_to_where_its_short_factors_hold(cpu_runtime):
     model = build_tiny_model("phi3", **_longrope(original=128, max_positions=512))
     prompt = torch.randint(5, 500, (30,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -109,6 +111,7 @@ def test_a_rotary_whose_table_depends_on_the_sequence_length_is_refused_naming_t
 # --- Gemma-2 -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gemma2_maps_its_norms_mlp_and_capped_attention_and_keeps_the_rest_native(cpu_runtime):
     model = import_model(build_tiny_model("gemma2"), cpu_runtime)
     report = model.report
@@ -155,6 +158,7 @@ def test_inspect_import_lists_gemma2s_soft_cap_as_native_nodes_after_the_lm_head
     assert {(n["piece"], n["op"]) for n in report["import"]["native"]} >= {("lm_head", "aten.tanh.default")}
 
 
+@pytest.mark.slow
 def test_a_causal_lm_forward_that_cannot_be_traced_falls_back_to_the_head_module(cpu_runtime):
     model = build_tiny_model("llama")
     plain = model.forward

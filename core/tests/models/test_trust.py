@@ -95,6 +95,7 @@ def _python_files() -> list[Path]:
     return files
 
 
+@pytest.mark.slow
 def test_nothing_in_the_repository_unpickles():
     files = _python_files()
     assert len(files) > 100 and REPO / "core/src/vllm_port/models/loader.py" in files

@@ -41,6 +41,7 @@ def _steps(model_forward, logits, conv: Conversation, decode_steps: int) -> list
 CASES = [(name, True) for name in POLICIES] + [("mlp", False), ("rotary", False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("policy", "passes"), CASES, ids=[f"{n}-{'fused' if p else 'unfused'}" for n, p in CASES])
 def test_placed_logits_equal_unplaced(llama, platforms, policy: str, passes: bool) -> None:
     placed = PlacedModel(llama, POLICIES[policy], platforms, passes=passes)
@@ -86,6 +87,7 @@ def _cut_edges(placed, engine: str = "cpu") -> dict[tuple[str, str], int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mlp", "mlp of layer 1 and head", "layer 1 whole (kv on cpu-b)"])
 def test_transfers_counted_equal_cut_edges(llama, platforms, policy: str) -> None:
     placed = PlacedModel(llama, POLICIES[policy], platforms)
@@ -115,6 +117,7 @@ def test_mlp_alone_crosses_twice_a_layer(llama, platforms) -> None:
     assert all(t.bytes_per_token == 4 * llama.config.hidden_size for t in placed.transfers)
 
 
+@pytest.mark.slow
 def test_lm_head_on_one_platform_the_rest_on_the_other(llama, platforms) -> None:
     placed = PlacedModel(llama, {"default": "cpu-b", "rules": [{"platform": "cpu", "part": "lm_head"}]}, platforms)
     assert placed.head_platform == "cpu"
@@ -172,6 +175,7 @@ class _Copies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_steps_copy_no_weight_and_move_only_cut_edges(llama, platforms) -> None:
     """After placement a step reads weights where they are (none is copied again), moves only the cut edges'
     activations (as many at batch 1 as at batch 4, bytes by the tokens), and runs the CPU-side nodes on the
@@ -204,6 +208,7 @@ def test_steps_copy_no_weight_and_move_only_cut_edges(llama, platforms) -> None:
 PIPELINE = [{"platform": "cpu-b:1", "layers": "1-1"}, {"platform": "cpu-b:1", "part": "lm_head"}]
 
 
+@pytest.mark.slow
 def test_pipeline_over_two_devices_of_a_platform(llama, platforms) -> None:
     """Layers split over cpu-b's devices 0 and 1 (one process): the unplaced logits, the cut edges crossing."""
     one = load_many(["cpu-b"], plugins="cpu,cpu-b")  # the engine's batch on cpu-b (device 0)
@@ -228,6 +233,7 @@ def test_pipeline_over_two_devices_of_a_platform(llama, platforms) -> None:
     assert set(placed.stats.to_json()) == {"cpu-b->cpu-b:1", "cpu-b:1->cpu-b"}
 
 
+@pytest.mark.slow
 def test_pipeline_nodes_run_with_their_device_current(llama, platforms, monkeypatch) -> None:
     """On an accelerator, each node of device 1 runs with device 1 current (Triton launches on the current
     device); checked here with device 1 standing for cuda:1 and a recording device module."""

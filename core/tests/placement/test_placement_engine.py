@@ -32,6 +32,7 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
+@pytest.mark.slow
 def test_engine_greedy_output_equals_unplaced(llama_dir: Path, platforms, tmp_path: Path) -> None:
     (tmp_path / "policy.toml").write_text(POLICY)
     common = dict(kv_cache_memory=1 << 20, max_num_seqs=4, max_num_batched_tokens=16, seed=0)  # chunked prefill too
@@ -46,6 +47,7 @@ def test_engine_greedy_output_equals_unplaced(llama_dir: Path, platforms, tmp_pa
         assert stats["cpu->cpu-b"]["count"] > 0 and stats["cpu-b->cpu"]["count"] > 0
 
 
+@pytest.mark.slow
 def test_engine_pipeline_greedy_output_equals_unplaced(llama_dir: Path, platforms) -> None:
     """Layer 1 and the head on cpu-b's second device, the KV cache of layer 1 there too: the same tokens."""
     policy = {"rules": [{"platform": "cpu-b:1", "layers": "1"}, {"platform": "cpu-b:1", "part": "lm_head"}]}
@@ -80,6 +82,7 @@ def test_engine_pipeline_over_two_gpus(llama_dir: Path) -> None:
         assert set(two.placement.model.stats.to_json()) == {"cuda->cuda:1", "cuda:1->cuda"}
 
 
+@pytest.mark.slow
 def test_engine_platforms_from_the_policy_and_swap(llama_dir: Path, platforms) -> None:
     policy = {"rules": [{"platform": "cpu-b", "part": "attention", "layers": "0"}]}
     with LLM(str(llama_dir), device="cpu", placement=policy, kv_cache_memory=1 << 20, max_num_seqs=2) as llm:
@@ -90,6 +93,7 @@ def test_engine_platforms_from_the_policy_and_swap(llama_dir: Path, platforms) -
         LLM(str(llama_dir), placement=policy, tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_inspect_placement(llama_dir: Path, platforms, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from vllm_port.cli import main
 
@@ -113,6 +117,7 @@ def test_inspect_placement(llama_dir: Path, platforms, tmp_path: Path, capsys: p
     assert "placement rule 0 of" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_placement_runs_tiny(cpu_jit: float, capsys: pytest.CaptureFixture[str]) -> None:
     """The bench on two CPU platforms; a platform that compiles per batch size is measured past its compiles."""
     pytest.importorskip("transformers")

@@ -88,6 +88,7 @@ def _graph(llama, platforms):
     return apply_passes(trace(llama, platforms.default.bind(torch.float32), phase="decode"))
 
 
+@pytest.mark.slow
 def test_placing_refuses_what_cannot_run(llama, platforms) -> None:
     graph = _graph(llama, platforms)
     with pytest.raises(
@@ -114,6 +115,7 @@ def test_placing_refuses_what_cannot_run(llama, platforms) -> None:
     assert "part = 'attention', layers = '1'" in text
 
 
+@pytest.mark.slow
 def test_phases_must_agree_on_the_kv_cache(llama, platforms) -> None:
     from vllm_port.flat import trace
 
@@ -129,6 +131,7 @@ def test_phases_must_agree_on_the_kv_cache(llama, platforms) -> None:
         place(prefill, [], platforms, cache_platforms=decode.cache_platforms)
 
 
+@pytest.mark.slow
 def test_a_weight_budget_is_kept_before_anything_moves(llama, platforms) -> None:
     with pytest.raises(PlacementError, match=r"platform 'cpu': weight .* over its budget of 1,000; place more"):
         PlacedModel(llama, [], platforms, budgets={"cpu": 1000})

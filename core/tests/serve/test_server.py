@@ -73,6 +73,7 @@ def _settled(server, timeout_s: float = 20.0) -> dict[str, float]:
 # --- the happy paths ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_models_health_and_the_engine_idles(server, client) -> None:
     (model,) = client.models.list().data
     assert model.id == "bundled" and model.owned_by == "vllm-port"
@@ -86,6 +87,7 @@ def test_models_health_and_the_engine_idles(server, client) -> None:
     assert after - before <= 5, f"{after - before} ticks of CPU in 1 s idle"
 
 
+@pytest.mark.slow
 def test_greedy_completion_equals_llm_generate(client, llm) -> None:
     got = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=12, temperature=0)
     want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0]
@@ -173,6 +175,7 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_usage(client) -> None:
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+@pytest.mark.slow
 def test_n_2_gives_two_choices(client) -> None:
     got = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=8, n=2, seed=3, temperature=1.0)
     assert sorted(c.index for c in got.choices) == [0, 1] and got.usage.completion_tokens == 16
@@ -263,6 +266,7 @@ def test_a_prompt_past_max_model_len_is_a_400(client) -> None:
     assert long.value.body["param"] == "prompt" and "max_model_len is 512" in long.value.body["message"]
 
 
+@pytest.mark.slow
 def test_a_full_queue_is_a_503_with_retry_after_and_leaving_clients_free_their_blocks(server, client) -> None:
     before = _settled(server)
     payload = {"model": "bundled", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -346,6 +350,7 @@ def test_the_readme_serve_example_runs(server, capsys) -> None:
     assert len(capsys.readouterr().out.split()) >= 5
 
 
+@pytest.mark.slow
 def test_a_model_without_a_chat_template_is_a_400_until_one_is_given(cpu_runtime, tmp_path) -> None:
     import shutil
 

@@ -83,6 +83,7 @@ def test_binding_takes_it_where_the_target_enables_it(target, bound):
     assert chosen.name == bound
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_samples_are_within_tolerance(dtype):
     """The op's samples; under the interpreter the ones of at most 256 x 512 weights (GPU runs take the rest)."""
@@ -183,6 +184,7 @@ def test_strided_views(dtype):
         check(fn, args, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", [INTERPRETER, CUDA, ROCM, XPU], ids=lambda t: t.name)
 def test_every_targets_tiles(target):
     """Each target's tiles (ROCm's and XPU's enabled for the test) on one and several rows."""

@@ -77,6 +77,7 @@ def test_error_inputs_raise(op):
             fn(*case.args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("target", "dtype"),
     [(CUDA, torch.bfloat16), (ROCM, torch.float16), (XPU, torch.float32)],
@@ -227,6 +228,7 @@ def _prefill_case(
     return (q, kc, vc, tables, cu, lens, max(q_lens) + extra_len, head_size**-0.5, window, cap)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("block_size", "head_size"), GEOMETRIES)
 def test_prefill_block_and_head_sizes(dtype, block_size, head_size):
@@ -249,6 +251,7 @@ def test_prefill_grid_larger_than_the_longest_query_and_strided_query():
     assert prefill_attention.check(kernels().prefill_attention, tuple(args), torch.bfloat16) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["head", "all_heads"])
 def test_prefill_launch_orders_agree(order):
     """However the heads interleave, every (head, sequence, query block) runs once: the same answer."""
@@ -262,6 +265,7 @@ def test_an_unknown_launch_order_is_named():
         dataclasses.replace(NATIVE, prefill_order="fastest")
 
 
+@pytest.mark.slow
 def test_wide_tiles_on_the_interpreter():
     # block_m 32 / block_n 32 against 16-token cache blocks: the vector block-table path in prefill
     k = kernels(dataclasses.replace(INTERPRETER, attn_block_m=32, attn_block_n=32))
@@ -308,6 +312,7 @@ def test_tma_falls_back_to_gathers_where_the_layout_forbids_it():
     assert _kv_descriptors(kc, kc, 16) is None
 
 
+@pytest.mark.slow
 def test_launchers_read_no_tensor_values_on_the_host(monkeypatch):
     decode = _decode_case(torch.bfloat16, [5, 300], 4, 1, window=100)  # few programs: the split path
     prefill = _prefill_case(torch.bfloat16, [20, 3], [0, 30], 4, 2)

@@ -236,6 +236,7 @@ def test_gated_activations_saturate_like_the_reference():
         assert op.check(kernel(op), (x, *extra), torch.float32) is None, (op.name, extra)
 
 
+@pytest.mark.slow
 def test_exact_gelu_within_a_few_ulps_of_float64_on_a_dense_grid():
     """The erf GELU (Abramowitz-Stegun 7.1.26 erfc) against float64 torch: absolute error under 1e-6 everywhere."""
     gate = torch.linspace(-20.0, 20.0, 100_000, dtype=torch.float64)

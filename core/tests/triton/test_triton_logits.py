@@ -24,6 +24,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED el
 KERNELS = LogitsKernels(CUDA)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("op", [process_logits, top_logprobs], ids=lambda op: op.name)
 def test_kernel_honours_the_contract_on_every_small_sample(op, dtype):
@@ -34,6 +35,7 @@ def test_kernel_honours_the_contract_on_every_small_sample(op, dtype):
     assert not problems, problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", [process_logits, top_logprobs], ids=lambda op: op.name)
 def test_kernel_honours_the_contract_at_real_vocabularies(op):
     fn = getattr(KERNELS, op.name)

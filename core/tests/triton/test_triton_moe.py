@@ -38,6 +38,7 @@ def _problems(fn, samples, dtype) -> list[str]:
         return [f"{s.label}: {p}" for s in samples if (p := fused_moe.check(fn, s.args, dtype))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kernel_honours_the_contract_on_a_few_samples(dtype):
     assert not _problems(KERNELS.fused_moe, _samples(dtype, FAST), dtype)

@@ -58,6 +58,7 @@ def small(dtype, limit=None):
     return [s for s in found if limit is None or s.args[0].numel() <= limit]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_samples_draw_the_reference_tokens(dtype):
     # interpreted: the CUDA target's wide blocks (4x fewer steps), the 128-row large-logits case in bf16 only (whose
@@ -78,6 +79,7 @@ def test_real_vocabularies_draw_the_reference_tokens():
                 assert check_reference_draws(sampler(CUDA if INTERPRETED else NATIVE), s.args) is None, s.label
 
 
+@pytest.mark.slow
 def test_samples_keep_the_rules_of_every_sampler():
     # allowed tokens, exact greedy rows, reproducible, a row's draw its own (Op.check runs the sampler 3 times)
     for s in small(torch.float32, limit=3200):

@@ -42,6 +42,7 @@ def test_one_provider_per_op_each_with_the_reference_signature_and_all_bind_on_c
         assert {op: chosen.name for op, chosen in bound.providers.items()} == {op: f"{prefix[op]}{op}" for op in OPS}
 
 
+@pytest.mark.slow
 @by_name
 @by_dtype
 def test_provider_matches_the_float64_reference_on_every_sample(provider, dtype):
@@ -77,6 +78,7 @@ def on_strided_inputs(op, fn):
     return call
 
 
+@pytest.mark.slow
 @by_name
 @by_dtype
 def test_provider_matches_the_reference_on_strided_inputs(provider, dtype):

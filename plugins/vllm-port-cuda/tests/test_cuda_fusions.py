@@ -45,6 +45,7 @@ def test_fused_kernel_equals_rotary_then_cache_write(dtype, is_neox, rot):
         torch.testing.assert_close(got, want, atol=tol.atol, rtol=tol.rtol)
 
 
+@pytest.mark.slow
 def test_pass_fuses_each_layer_of_a_model_bound_to_the_triton_providers(tmp_path):
     pytest.importorskip("transformers")
     import sys

@@ -262,6 +262,7 @@ def test_allocator_only_for_the_rocm_platform() -> None:
     assert torch.cuda.is_initialized() == before  # building it touches no device
 
 
+@pytest.mark.slow
 def test_the_triton_target_is_plain_data_that_imports_without_triton() -> None:
     # Triton is no declared dependency (torch's ROCm wheels bring it): the plugin's modules import without it.
     code = textwrap.dedent("""

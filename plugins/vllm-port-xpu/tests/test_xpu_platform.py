@@ -36,6 +36,7 @@ def test_probe_without_xpu_torch_says_how_to_fix() -> None:
     assert result.devices == ()
 
 
+@pytest.mark.slow
 def test_probe_creates_no_device_context() -> None:
     code = textwrap.dedent("""
         import torch
@@ -84,6 +85,7 @@ def test_allocator_only_for_the_xpu_platform() -> None:
     assert torch.xpu.is_initialized() == before  # building it touches no device
 
 
+@pytest.mark.slow
 def test_the_triton_target_is_plain_data_that_imports_without_triton() -> None:
     # Triton is no declared dependency (torch's XPU wheels bring it): the plugin's modules import without it.
     code = textwrap.dedent("""
