@@ -203,8 +203,8 @@ def _gather_padded(
     pos = torch.arange(longest, device=cache.device)
     real = pos[None, :] < seq_lens.long()[:, None]
     blocks = torch.where(real, block_tables.long()[:, pos // block_size], 0)
-    tokens = cache[blocks, pos % block_size]  # a copy (advanced indexing): zeroed in place
-    return tokens.masked_fill_(~real[..., None, None], 0.0), real
+    tokens = cache[blocks, pos % block_size]
+    return tokens.masked_fill(~real[..., None, None], 0.0), real
 
 
 def _attend(
@@ -229,7 +229,7 @@ def _attend(
     v, _ = _gather_padded(value_cache, block_tables, seq_lens)
     kv_heads = k.shape[2]
     q = query.to(compute).unflatten(2, (kv_heads, -1))  # [seq, query, kv head, group, dim]
-    scores = torch.einsum("sqngd,sknd->sngqk", q, k.to(compute)).mul_(scale)  # fresh tensors from here on: in place
+    scores = torch.einsum("sqngd,sknd->sngqk", q, k.to(compute)) * scale
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     k_pos = torch.arange(k.shape[1], device=query.device)
@@ -237,8 +237,8 @@ def _attend(
     if sliding_window > 0:
         seen &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     seen = seen[:, None, None]  # broadcast over KV heads and the group
-    probs = torch.softmax(scores.masked_fill_(~seen, float("-inf")), dim=-1)
-    probs = probs.masked_fill_(~seen.any(dim=-1, keepdim=True), 0.0).to(query.dtype).to(compute)
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    probs = torch.where(seen.any(dim=-1, keepdim=True), probs, 0.0).to(query.dtype).to(compute)
     out = torch.einsum("sngqk,sknd->sqngd", probs, v.to(compute))
     return out.flatten(2, 3).to(query.dtype)
 
