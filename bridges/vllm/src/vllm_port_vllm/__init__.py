@@ -33,15 +33,21 @@ def register() -> None:
 
     from .attention import register_attention
     from .compat import check_vllm
+    from .keep import KEEP_ENV, kept_parts
     from .layers import register_layers
     from .runtime import bridge
 
     check_vllm()
+    kept = kept_parts()
     b = bridge()
-    layers = register_layers()
-    backends = register_attention()
+    layers = register_layers(keep=kept)
+    backends = [] if "attention" in kept else register_attention()
     _registered.extend(layers + backends)
-    logging.getLogger("vllm_port_vllm").info(
+    log = logging.getLogger("vllm_port_vllm")
+    if kept:
+        log.warning("vllm-port bridge: %s=%s: %s run on vLLM's own kernels", KEEP_ENV, ",".join(sorted(kept)),
+                    ", ".join(sorted(kept)))  # fmt: skip
+    log.info(
         "vllm-port bridge: plugin %r (certified, %s) serves %s; attention backends %s",
         b.plugin,
         b.certificate.get("source", {}).get("sha256", "?")[:12],

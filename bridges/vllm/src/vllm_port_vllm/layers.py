@@ -175,10 +175,11 @@ def unbridged_rotary_classes() -> list[type]:
     return [c for c in _rotary_subclasses() if not _rotates_as_base(c)]
 
 
-def register_layers() -> list[str]:
+def register_layers(keep: frozenset[str] = frozenset()) -> list[str]:
     """Register the bridged layers with vLLM (``CustomOp.register_oot``); return the class names replaced.
 
-    Once per process; a second call registers nothing.
+    ``keep``: layers left to vLLM (:mod:`vllm_port_vllm.keep`; ``RotaryEmbedding`` keeps every rope
+    class). Once per process; a second call registers nothing.
     """
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
     from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
@@ -189,10 +190,12 @@ def register_layers() -> list[str]:
         "SiluAndMul": _silu_class(SiluAndMul),
         "GeluAndMul": _gelu_class(GeluAndMul),
     }
-    for cls in bridged_rotary_classes():
-        made[cls.__name__] = _rotary_class(cls)
-    for cls in unbridged_rotary_classes():
-        made.setdefault(cls.__name__, _refusing_class(cls))
+    made = {name: cls for name, cls in made.items() if name not in keep}
+    if "RotaryEmbedding" not in keep:
+        for cls in bridged_rotary_classes():
+            made[cls.__name__] = _rotary_class(cls)
+        for cls in unbridged_rotary_classes():
+            made.setdefault(cls.__name__, _refusing_class(cls))
     for name, cls in made.items():
         if name not in op_registry_oot:
             CustomOp.register_oot(cls, name=name)
