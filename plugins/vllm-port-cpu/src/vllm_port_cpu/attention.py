@@ -38,25 +38,16 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    tokens = key.shape[0]
-    if tokens == 0:
-        return
-    # Slot -1 skips a token without a data-dependent shape (no boolean indexing, no host read): a
-    # skipped token repeats the write of the first kept token, same slot and same value, so the
-    # duplicate write is harmless whatever its order. When no token is kept at all, every write lands
-    # in slot 0, which is then restored from a copy of its one row.
     slots = slot_mapping.long()
-    keep = slots >= 0
-    first_kept = keep.to(torch.uint8).argmax()  # 0-dim tensor, stays on the device
-    src = torch.where(keep, torch.arange(tokens, device=slots.device), first_kept)
-    slots = slots.index_select(0, src).clamp_(min=0)
+    kept = slots >= 0
+    # Slot -1 skips a token (padding). The check reads the slots on the host, which on this platform is
+    # the device itself (there is no graph to capture): the usual step keeps every token and writes
+    # them as they are; otherwise the kept tokens alone are written.
+    if not bool(kept.all()):
+        slots, key, value = slots[kept], key[kept], value[kept]
     index = (slots // key_cache.shape[1], slots % key_cache.shape[1])  # (block, offset): any cache strides
-    any_kept = keep.any()
-    for cache, new in ((key_cache, key), (value_cache, value)):
-        slot0 = cache[0, 0]
-        saved = slot0.clone()
-        cache.index_put_(index, new.index_select(0, src))
-        slot0.copy_(torch.where(any_kept, slot0, saved))
+    key_cache.index_put_(index, key)
+    value_cache.index_put_(index, value)
 
 
 def _context_blocks(seq_lens: torch.Tensor, block_size: int, table_width: int) -> int:
