@@ -1,4 +1,4 @@
-"""``VLLM_PORT_BRIDGE_KEEP`` names the parts left to vLLM's kernels, and nothing it does not know (no vLLM needed)."""
+"""``VLLM_BRIDGE_KEEP`` names the parts left to vLLM's kernels, and nothing it does not know (no vLLM needed)."""
 
 from __future__ import annotations
 
