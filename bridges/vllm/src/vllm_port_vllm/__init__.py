@@ -45,8 +45,7 @@ def register() -> None:
     _registered.extend(layers + backends)
     log = logging.getLogger("vllm_port_vllm")
     if kept:
-        log.warning("vllm-port bridge: %s=%s: %s run on vLLM's own kernels", KEEP_ENV, ",".join(sorted(kept)),
-                    ", ".join(sorted(kept)))  # fmt: skip
+        log.warning("vllm-port bridge: %s=%s: these parts run on vLLM's own kernels", KEEP_ENV, ",".join(sorted(kept)))
     log.info(
         "vllm-port bridge: plugin %r (certified, %s) serves %s; attention backends %s",
         b.plugin,

@@ -40,9 +40,8 @@ def reshape_and_cache(
     check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     slots = slot_mapping.long()
     kept = slots >= 0
-    # Slot -1 skips a token (padding). The check reads the slots on the host, which on this platform is
-    # the device itself (there is no graph to capture): the usual step keeps every token and writes
-    # them as they are; otherwise the kept tokens alone are written.
+    # Slot -1 skips a token (padding). Whether any does is read on the host, which on this platform is the
+    # device itself (no graph is captured): the usual step writes every token as it is, else the kept ones.
     if not bool(kept.all()):
         slots, key, value = slots[kept], key[kept], value[kept]
     index = (slots // key_cache.shape[1], slots % key_cache.shape[1])  # (block, offset): any cache strides
