@@ -190,21 +190,9 @@ def reshape_and_cache_reference(
 # ------------------------------------------------------------------------------------------------
 
 
-def _gather_padded(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's cached tokens padded to the longest: ``[num_seqs, longest, kv_heads, head_size]``.
-
-    Also returns the ``[num_seqs, longest]`` mask of real tokens. Padding positions hold 0, whatever
-    the block table or the cache holds there (block 0 is indexed in their place).
-    """
-    block_size = cache.shape[1]
-    longest = int(seq_lens.max()) if seq_lens.numel() else 0
-    pos = torch.arange(longest, device=cache.device)
-    real = pos[None, :] < seq_lens.long()[:, None]
-    blocks = torch.where(real, block_tables.long()[:, pos // block_size], 0)
-    tokens = cache[blocks, pos % block_size]
-    return tokens.masked_fill(~real[..., None, None], 0.0), real
+#: Queries attended together in :func:`_attend`: their scores stay small enough for the CPU's caches,
+#: and each chunk reads only the keys its positions can see (a long causal prefill does half the work).
+_QUERY_CHUNK = 256
 
 
 def _attend(
@@ -222,25 +210,49 @@ def _attend(
     causally to their sequence's cached keys; a query that sees no key (a position < 0) gets 0.
 
     Scores, softmax and the PV product are in float32 (float64 stays); the probabilities are rounded
-    to the query's dtype before the PV product, as tensor-core kernels round them.
+    to the query's dtype before the PV product, as tensor-core kernels round them. One sequence at a
+    time, over its own tokens only: nothing past ``seq_lens[i]`` is read, whatever the cache holds there.
     """
+    out = query.new_zeros(query.shape)
+    block_size = key_cache.shape[1]
+    for i, n in enumerate(seq_lens.tolist()):
+        if n <= 0:  # a padded sequence: its rows stay 0
+            continue
+        blocks = block_tables[i, : (n + block_size - 1) // block_size].long()
+        keys = key_cache[blocks].flatten(0, 1)[:n]  # [key, kv head, dim]
+        values = value_cache[blocks].flatten(0, 1)[:n]
+        for start in range(0, query.shape[1], _QUERY_CHUNK):
+            rows = slice(start, start + _QUERY_CHUNK)
+            pos = q_pos[i, rows]
+            last = int(pos.max()) + 1  # keys past every query's position are never seen
+            first = max(int(pos[pos >= 0].min()) - sliding_window + 1, 0) if sliding_window > 0 and last > 0 else 0
+            if last <= 0:
+                continue
+            out[i, rows] = _attend_keys(
+                query[i, rows], pos - first, keys[first:last], values[first:last], scale, sliding_window, soft_cap
+            )
+    return out
+
+
+def _attend_keys(query, pos, keys, values, scale, sliding_window, soft_cap) -> torch.Tensor:
+    """Queries ``[q, heads, dim]`` at positions ``pos`` (counted from ``keys[0]``) over ``keys``/``values`` ``[k, kv heads, dim]``."""
     compute = torch.promote_types(query.dtype, torch.float32)
-    k, real = _gather_padded(key_cache, block_tables, seq_lens)
-    v, _ = _gather_padded(value_cache, block_tables, seq_lens)
-    kv_heads = k.shape[2]
-    q = query.to(compute).unflatten(2, (kv_heads, -1))  # [seq, query, kv head, group, dim]
-    scores = torch.einsum("sqngd,sknd->sngqk", q, k.to(compute)) * scale
+    q_len, kv_heads = query.shape[0], keys.shape[1]
+    group = query.shape[1] // kv_heads
+    # [kv head, group * query, dim]: a KV head's queries side by side, each KV head one matrix product
+    q = query.to(compute).unflatten(1, (kv_heads, group)).permute(1, 2, 0, 3).flatten(1, 2)
+    scores = torch.bmm(q, keys.to(compute).permute(1, 2, 0)) * scale  # [kv head, group * query, key]
     if soft_cap > 0:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    k_pos = torch.arange(k.shape[1], device=query.device)
-    seen = real[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # [seq, query, key]
+    k_pos = torch.arange(keys.shape[0], device=query.device)
+    seen = k_pos[None, :] <= pos[:, None]  # [query, key]
     if sliding_window > 0:
-        seen &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    seen = seen[:, None, None]  # broadcast over KV heads and the group
+        seen &= k_pos[None, :] > pos[:, None] - sliding_window
+    seen = seen.repeat(group, 1)  # as the rows of ``scores``: group-major, then query
     probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
     probs = torch.where(seen.any(dim=-1, keepdim=True), probs, 0.0).to(query.dtype).to(compute)
-    out = torch.einsum("sngqk,sknd->sqngd", probs, v.to(compute))
-    return out.flatten(2, 3).to(query.dtype)
+    attended = torch.bmm(probs, values.to(compute).transpose(0, 1))  # [kv head, group * query, dim]
+    return attended.unflatten(1, (group, q_len)).permute(2, 0, 1, 3).flatten(1, 2).to(query.dtype)
 
 
 def check_paged_attention(
