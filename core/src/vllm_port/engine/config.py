@@ -30,6 +30,9 @@ __all__ = ["KV_CACHE_DTYPES", "EngineConfig"]
 
 #: ``LLM(kv_cache_dtype=...)``'s values: ``"auto"`` caches in the model's dtype, the others in float8 e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+#: ``LLM(distributed_executor_backend=...)``'s values: ``None``/``"mp"`` spawn the ranks on this machine,
+#: ``"external_launcher"`` makes this process one of the ranks a launcher (``torchrun``) started.
+DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "external_launcher")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     trust_remote_code: bool = False
     kv_cache_dtype: str = "auto"
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         # the cheap checks, all before anything loads: importing moves, casts and traces the user's module
@@ -93,6 +97,11 @@ class EngineConfig:
                 "give one of them: gpu_memory_utilization sizes the KV cache from the device's total memory (what the "
                 "weights and activations leave of that share), kv_cache_memory gives the cache's budget itself"
             )
+        if self.launched and (self.places or self.make_step is not None or self.imports):
+            raise ValueError(
+                "distributed_executor_backend='external_launcher' runs this process as one rank of a core model "
+                "definition's eager step; drop placement/devices, make_step and importer"
+            )
         if self.make_step is not None and self.tensor_parallel_size != 1:
             raise ValueError(
                 "make_step runs in this process; with tensor_parallel_size > 1 the ranks run the eager step"
@@ -103,6 +112,11 @@ class EngineConfig:
         """The model comes through an importer: ``importer`` is set, or ``model`` is a ``torch.nn.Module``."""
         torch = sys.modules.get("torch")  # a module object cannot exist before torch is imported
         return self.importer is not None or (torch is not None and isinstance(self.model, torch.nn.Module))
+
+    @property
+    def launched(self) -> bool:
+        """This process is one rank of several a launcher started (``distributed_executor_backend='external_launcher'``)."""
+        return self.distributed_executor_backend == "external_launcher"
 
     @property
     def places(self) -> bool:
@@ -141,6 +155,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v in KV_CACHE_DTYPES,
         "'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (float8 e4m3 with scales of 1.0, vLLM's spelling); "
         "'fp8_e5m2' and 'fp8_inc' are not supported",
+    ),
+    "distributed_executor_backend": (
+        lambda v: v in DISTRIBUTED_EXECUTOR_BACKENDS,
+        "None or 'mp' (the ranks spawned on this machine) or 'external_launcher' (this process is one rank that "
+        "torchrun started, on one machine or several: docs/multi-node.md); 'ray' and 'uni' are not supported",
     ),
     "gpu_memory_utilization": (
         lambda v: v is None or (_is_number(v) and 0.0 < v <= 1.0),

@@ -98,7 +98,13 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress()
     progress.begin("loading the model")
     try:
-        llm = LLM(args.model, device=args.device or "auto", dtype=args.dtype)
+        llm = LLM(
+            args.model,
+            device=args.device or "auto",
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+        )
     except (VllmPortError, ValueError) as exc:
         progress.end(f"error: {exc}")
         return 2
@@ -113,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
         _generate(llm, prompts, params, progress, echo, outputs)
     except KeyboardInterrupt:
         return _interrupted(llm, prompts, outputs, progress, args.json, echo)
+    except VllmPortError as exc:  # a rank of a launched group out of step, a peer gone: said, not a traceback
+        progress.end(f"error: {exc}")
+        return 1
     if args.json:
         print(json.dumps(_json(llm, outputs), ensure_ascii=False))
     elif not echo:
@@ -208,4 +217,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
     add_device_flag(parser, "platform to run on (default: the best available)", metavar="NAME")
     add_model_dtype_flag(parser)
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, metavar="N", help="ranks to shard the model over (default 1)"
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "external_launcher"),
+        default=None,
+        help="mp (default): spawn the ranks here; external_launcher: this process is one rank torchrun started "
+        "(every rank prints the same outputs; docs/multi-node.md)",
+    )
     add_json_flag(parser, "print one JSON object with outputs, platform, providers")

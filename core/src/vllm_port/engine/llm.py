@@ -277,6 +277,10 @@ class LLM:
     :param kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"fp8"`` (``"fp8_e4m3"``): the paged KV cache in
         float8 e4m3 with scales of 1.0 (vLLM's default), a block taking half of bfloat16's bytes, so the same
         memory holds twice the tokens; attention reads it through the ``*_fp8`` cache ops.
+    :param distributed_executor_backend: how the ``tensor_parallel_size`` ranks start: ``None`` or ``"mp"``
+        spawns them on this machine; ``"external_launcher"`` (vLLM's name) makes this process one of the ranks
+        that ``torchrun`` launched, on this machine or across several (``torchrun --nnodes``): every rank runs
+        the same program and gets the same outputs (``docs/multi-node.md``).
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -307,6 +311,7 @@ class LLM:
         tokenizer_mode: str = "auto",
         trust_remote_code: bool = False,
         kv_cache_dtype: str = "auto",
+        distributed_executor_backend: str | None = None,
     ) -> None:
         arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
         del arguments["self"]
@@ -1218,8 +1223,20 @@ def _make_runner(
     config: EngineConfig, runtime: Runtime, model: _OpenedModel, placement: Any, sizing: _CacheSizing
 ) -> Any:
     """The runner of ``config``'s mode: a ``ModelRunner`` in this process (plain, imported or placed), or
-    a ``TensorParallelRunner`` over ``tensor_parallel_size`` worker ranks."""
+    a ``TensorParallelRunner`` over ``tensor_parallel_size`` worker ranks, or this process as one rank a launcher
+    started (``LaunchedRankRunner``)."""
     _refuse_fp8_beyond_one_device(config, model)
+    if config.launched:
+        from .external_launcher import LaunchedRankRunner
+
+        return LaunchedRankRunner(
+            runtime,
+            model.weights,
+            model.dtype,
+            config.tensor_parallel_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+            **sizing.runner_arguments(),
+        )
     if config.tensor_parallel_size == 1:
         return ModelRunner(
             runtime,
