@@ -3,9 +3,8 @@
 Without a GPU the kernel runs in Triton's CPU interpreter (see conftest.py) with the interpreter target's
 small tiles: the op's small samples cross tile edges, pad rows to 16, split the reduction (the interpreter
 pretends to have 4 multiprocessors) and take the wide path past 16 rows; the Llama-sized samples are left
-to GPU runs. The interpreter's dot takes the operands widened to float32 (exact), so it checks the
-quantisation (of prefill rows: decode rows are not quantised), the scales and the tiling, not the FP8
-tensor cores.
+to GPU runs. The interpreter's dot takes the e4m3 operands widened to float32 (exact), so it checks the
+quantisation, the scales and the tiling, not the FP8 tensor cores.
 """
 
 from __future__ import annotations
@@ -59,22 +58,6 @@ def test_each_scale_and_path_small(granularity, rows):
     q, s = quantize_fp8_weight(torch.randn(40, 200, generator=gen) / 200**0.5, granularity)
     bias = torch.randn(40, generator=gen).to(DEVICE, torch.bfloat16)
     _check(Fp8LinearKernels(TARGET).fp8_linear, (x, q.to(DEVICE), s.to(DEVICE), bias), torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_decode_rows_are_not_quantised_and_prefill_rows_are(dtype):
-    """Up to ``fp8_skinny_rows`` the weight is widened to x's dtype and x taken as it is: the product is x's rounding
-    away from the dequantised one. Past them x is quantised to e4m3 per row: ten (bfloat16) to a hundred (float16)
-    times further away."""
-    gen = torch.Generator().manual_seed(3)
-    q, s = quantize_fp8_weight(torch.randn(64, 256, generator=gen) / 16, "channel")
-    kernels, rows = Fp8LinearKernels(TARGET), TARGET.fp8_skinny_rows
-    for m, quantised in ((1, False), (rows, False), (rows + 1, True)):
-        x = torch.randn(m, 256, generator=gen).to(dtype)
-        exact = x.double() @ (q.double() * s.double()[:, None]).T
-        got = kernels.fp8_linear(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE)).cpu().double()
-        error = ((got - exact).abs().mean() / exact.abs().mean()).item()
-        assert (error > 1e-2) == quantised, f"{m} rows: mean relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])

@@ -7,14 +7,10 @@ quantising pass). :func:`_fp8_matmul_kernel` multiplies ``BLOCK_M x BLOCK_N`` ou
 applies the scales in the epilogue (per-group weight scales per ``K`` step, since a group's partial
 product must be scaled before it joins the others), adds the bias and rounds once to ``x``'s dtype.
 
-Decode (rows up to ``target.fp8_skinny_rows``) is one launch: the weight is read at one byte an element
-and widened to ``x``'s dtype (bfloat16 or float16, exactly: every e4m3 value is one of theirs) for a
-16-bit dot with ``x`` as it is, no activation quantisation and its scales (more accurate than the
-contract asks; a decode step is the weight's read, which the quantising kernel's launch and pass only
-delayed). It takes the target's skinny tiles, rows padded to 16 (the dot's minimum), and splits ``K``
-across programs until the device is full, like ``linear``'s split-K kernel: float32 partials that
-``linear``'s reduction kernel adds in a fixed order, with the bias, so results are the same run to run.
-Prefill (and float32 ``x``) quantises the rows and takes the wide tiles.
+Decode (rows up to ``target.fp8_skinny_rows``) takes the target's skinny tiles, rows padded to 16 (the
+dot's minimum), and splits ``K`` across programs until the device is full, like ``linear``'s split-K
+kernel: float32 partials that ``linear``'s reduction kernel adds in a fixed order, with the bias, so
+results are the same run to run. Prefill takes the wide tiles.
 
 Where a target has no FP8 dot (``fp8_dot=False``: Ampere, ROCm's MI300 whose FP8 is the fnuz variant,
 XPU, Triton's CPU interpreter), the e4m3 operands are widened to bfloat16 before the dot (exact: every
@@ -94,8 +90,8 @@ def _quantize_rows_kernel(
 @triton.jit(do_not_specialize=["M"])
 def _fp8_matmul_kernel(
     out_ptr,  # [M, N] x's dtype; with SPLIT float32 partials [SPLIT_K, M, N]
-    q_ptr,  # [M, K] e4m3, contiguous (the quantised activations); without QUANTIZED_X, x itself (any strides)
-    xs_ptr,  # [M] float32 row scales (read with QUANTIZED_X)
+    q_ptr,  # [M, K] e4m3, contiguous (the quantised activations)
+    xs_ptr,  # [M] float32 row scales
     w_ptr,  # [N, K] e4m3, any strides
     ws_ptr,  # weight scale: [1], [N] or [N, G] (contiguous)
     b_ptr,  # [N] bias (read without SPLIT)
@@ -104,8 +100,6 @@ def _fp8_matmul_kernel(
     K,
     k_per_split,  # input features per split, a multiple of BLOCK_K
     groups,  # G, columns of a per-group scale
-    stride_qm,
-    stride_qk,
     stride_wn,
     stride_wk,
     stride_b,
@@ -118,9 +112,8 @@ def _fp8_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     FP8_DOT: tl.constexpr,  # e4m3 operands straight into tl.dot; else widened first
     WIDE_FP32: tl.constexpr,  # widen to float32 (the CPU interpreter) rather than bfloat16
-    QUANTIZED_X: tl.constexpr,  # q is e4m3 with row scales xs; else x in a 16-bit dtype, the weight widened to it
 ):
-    """One ``BLOCK_M x BLOCK_N`` tile of ``(q * xs) @ (w * ws).T`` (or ``x @ (w * ws).T``) over one split of ``K``."""
+    """One ``BLOCK_M x BLOCK_N`` tile of ``(q * xs) @ (w * ws).T`` over one split of ``K``."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,28 +122,24 @@ def _fp8_matmul_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     row_ok = rows < M
     col_ok = cols < N
-    q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k_lo + ks)[None, :] * stride_qk
+    q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * K + (k_lo + ks)[None, :]
     w_ptrs = w_ptr + (k_lo + ks).to(tl.int64)[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         k_ok = k + ks < K
         a = tl.load(q_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if WIDE_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        elif not QUANTIZED_X:
-            b = b.to(a.dtype)
-        elif not FP8_DOT:
-            a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
+        if not FP8_DOT:
+            wide = tl.float32 if WIDE_FP32 else tl.bfloat16
+            a, b = a.to(wide), b.to(wide)
         if SCALE == 2:  # each group's partial product scaled before it joins the sum
             g = tl.load(ws_ptr + cols.to(tl.int64) * groups + k // FP8_GROUP, mask=col_ok, other=0.0)
             acc += tl.dot(a, b, out_dtype=tl.float32) * g[None, :]
         else:
             acc = tl.dot(a, b, acc, out_dtype=tl.float32)
-        q_ptrs += BLOCK_K * stride_qk
+        q_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if QUANTIZED_X:
-        acc *= tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    acc *= tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if SCALE == 0:
         acc *= tl.load(ws_ptr)
     elif SCALE == 1:
@@ -205,23 +194,19 @@ class Fp8LinearKernels:
         bias: torch.Tensor | None,
         split_k: int | None = None,
     ) -> torch.Tensor:
-        """Quantise the rows (prefill, float32), then multiply; ``split_k`` forces a split count (tests), else the device decides."""
+        """Quantise the rows, then multiply; ``split_k`` forces a split count (tests), else the device decides."""
         n, k = weight.shape
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
+        q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        xs = torch.empty((m,), dtype=torch.float32, device=x.device)
+        block = min(triton.next_power_of_2(k), 1024)
         interpreted = x.device.type == "cpu"
+        _quantize_rows_kernel[(m,)](
+            q, xs, x2, k, x2.stride(0), x2.stride(1),
+            FP8_MAX=FP8_MAX, BLOCK=block, ROUND_FIRST=interpreted or not self.target.fp8_dot,
+        )  # fmt: skip
         skinny = m <= self.target.fp8_skinny_rows
-        if skinny and x.dtype != torch.float32:  # the weight widened to x's dtype: x as it is
-            q, xs, quantized = x2, torch.empty((1,), dtype=torch.float32, device=x.device), False
-        else:
-            q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-            xs = torch.empty((m,), dtype=torch.float32, device=x.device)
-            block = min(triton.next_power_of_2(k), 1024)
-            _quantize_rows_kernel[(m,)](
-                q, xs, x2, k, x2.stride(0), x2.stride(1),
-                FP8_MAX=FP8_MAX, BLOCK=block, ROUND_FIRST=interpreted or not self.target.fp8_dot,
-            )  # fmt: skip
-            quantized = True
         tiles: MatmulTiles = self.target.fp8_skinny if skinny else self.target.fp8_wide
         block_m = max(_DOT_MIN, min(tiles.block_m, triton.next_power_of_2(m))) if skinny else tiles.block_m
         granularity = scale_granularity(weight, weight_scale)
@@ -240,7 +225,7 @@ class Fp8LinearKernels:
         _fp8_matmul_kernel[(grid_m, grid_n, split_k)](
             dest, q, xs, weight, scales, bias_arg,
             m, n, k, tiles_per_split * block_k, weight_scale.shape[-1] if scale_kind == _PER_GROUP else 1,
-            q.stride(0), q.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+            weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
             BLOCK_M=block_m,
             BLOCK_N=tiles.block_n,
             BLOCK_K=block_k,
@@ -250,7 +235,6 @@ class Fp8LinearKernels:
             HAS_BIAS=bias is not None,
             FP8_DOT=self.target.fp8_dot and not interpreted,
             WIDE_FP32=interpreted,
-            QUANTIZED_X=quantized,
             num_warps=tiles.warps,
             num_stages=tiles.stages,
         )  # fmt: skip
