@@ -2,8 +2,8 @@
 
 Each node is its own ``torchrun --nnodes 2 --node-rank R`` (static rendezvous at 127.0.0.1), as on two
 machines; each runs ``vllm-port generate --distributed-executor-backend external_launcher``, a whole
-engine per rank. Both must print the tokens one process generates alone (greedy), agree with each other
-when sampling, and stop together, naming the rank, when one of them is given another prompt.
+engine per rank. Both must print the tokens one process generates alone (greedy), and stop together,
+naming the rank, when one of them is given another prompt.
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ def test_two_nodes_launched_by_torchrun_generate_what_one_process_does(engine_mo
     want = token_ids(make_llm(model_dir, cpu_runtime).generate(batch, params))
     greedy = _two_nodes(model_dir, [batch, batch], "--temperature", "0", "--max-tokens", "16", "--ignore-eos")
     assert [_token_ids(node) for node in greedy] == [want, want]
-    sampled = _two_nodes(model_dir, [batch, batch], "--temperature", "1.0", "--max-tokens", "16", "--seed", "3")
-    assert _token_ids(sampled[0]) == _token_ids(sampled[1])  # rank 0's draws, on both nodes
 
 
 @pytest.mark.slow
