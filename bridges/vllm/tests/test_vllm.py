@@ -99,6 +99,26 @@ def test_logits_match_vllm_alone_and_every_bridged_op_runs_eager_and_compiled(
     assert report["ok"], report
 
 
+#: the bridged ops of attention: with ``VLLM_BRIDGE_KEEP=attention`` vLLM's own backend runs and none of them is called
+_ATTENTION_OPS = {"reshape_and_cache", "prefill_attention", "paged_attention"}
+
+
+def test_a_kept_part_runs_on_vllms_kernels_and_the_rest_still_on_the_plugins(
+    bridge_python: Path, certificate: Path, tiny_llama: Path
+) -> None:
+    """``VLLM_BRIDGE_KEEP=attention``: the check finds exactly the attention ops uncalled, every other bridged op
+    called, and the logits still within the tolerance of vLLM alone."""
+    env = {**_env(certificate), "VLLM_BRIDGE_KEEP": "attention"}
+    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--model", str(tiny_llama), "--json"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-4000:]
+    for mode, m in json.loads(lines[-1])["modes"].items():
+        assert set(m["uncalled"]) == _ATTENTION_OPS & set(m["calls"]), (mode, m["calls"])
+        assert all(n > 0 for op, n in m["calls"].items() if op not in _ATTENTION_OPS | {"gelu_and_mul"}), (mode, m)
+        assert m["worst_prefill"] <= 1 and m["worst_decode"] <= 1, (mode, m)
+
+
 def test_without_a_certificate_vllm_refuses_to_start_naming_the_plugin(
     bridge_python: Path, certificate: Path, tiny_llama: Path
 ) -> None:
