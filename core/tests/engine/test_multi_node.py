@@ -85,3 +85,18 @@ def test_an_executor_backend_this_engine_lacks_is_refused_by_name(llama_model):
         LLM(str(llama_model), distributed_executor_backend="ray")
     with pytest.raises(ValueError, match=r"external_launcher.*drop placement/devices, make_step and importer"):
         LLM(str(llama_model), distributed_executor_backend="external_launcher", importer="hf")
+
+
+def test_rank_0s_step_result_crosses_as_json_and_comes_back_equal():
+    """What rank 0 broadcasts is data (JSON), never pickled code; tokens, token errors and logprobs survive it."""
+    from vllm_port.engine.external_launcher import _decode, _encode
+    from vllm_port.engine.scheduler import StepResult, TokenError, TopLogprobs
+
+    plain = [5, TokenError("row 1: logits are NaN", cache_suspect=True), 7]
+    assert _decode(_encode(plain)) == plain
+    top = TopLogprobs(7, -0.25, 1, ((7, -0.25), (3, float("-inf"))))
+    rich = StepResult([7, 9], {0: top}, {1: [(4, top)]})
+    back = _decode(_encode(rich))
+    assert isinstance(back, StepResult) and list(back) == [7, 9]
+    assert back.logprobs == {0: top} and back.prompt_logprobs == {1: [(4, top)]}
+    assert b"pickle" not in _encode(rich) and _encode(rich).startswith(b"{")

@@ -12,8 +12,8 @@ What keeps the ranks in step, checked rather than assumed:
 
 - The KV pools: each rank sizes its cache from its own device's memory, so the scheduler's books
   are kept for the smallest cache of any rank (the others hold at least as many blocks).
-- The tokens: rank 0's sampled tokens (and logprobs) are broadcast every step and used by every
-  rank, so a rank whose sampling would have drawn otherwise (another seed) still follows rank 0.
+- The tokens: rank 0's sampled tokens (and logprobs), as JSON (data, never pickled code), are
+  broadcast every step and used by every rank, so a rank whose sampling would have drawn otherwise (another seed) still follows rank 0.
 - The steps: before each step the ranks gather a digest of it (its tokens, positions, cache slots
   and lengths); where a rank's step differs from rank 0's (another prompt, other parameters, another
   program) every rank stops with an error naming it, before the step's collectives could mix shards of
@@ -23,8 +23,8 @@ What keeps the ranks in step, checked rather than assumed:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 from ..errors import VllmPortError
 from ..models import load_config
 from .runner import ModelRunner
-from .scheduler import StepBatch
+from .scheduler import StepBatch, StepResult, TokenError, TopLogprobs
 from .tensor_parallel import TensorParallelOps, check_shardable, load_shard
 
 __all__ = ["LaunchedRankRunner"]
@@ -121,14 +121,18 @@ class LaunchedRankRunner:
                 "engine arguments, in the same order"
             )
 
-    def _from_rank_0(self, value: Any) -> Any:
-        """``value`` as rank 0 has it, on every rank (pickled into one broadcast of its length, one of its bytes)."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8) if self.rank == 0 else None
+    def _from_rank_0(self, sampled: Any) -> Any:
+        """Rank 0's ``sampled`` on every rank: as JSON (:func:`_encode`), one broadcast of its length, one of its bytes."""
+        payload = torch.frombuffer(bytearray(_encode(sampled)), dtype=torch.uint8) if self.rank == 0 else None
         size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=self.device)
         size = self._communicator.broadcast(size, 0)
-        data = payload.to(self.device) if payload is not None else torch.empty(int(size), dtype=torch.uint8)
+        data = (
+            payload.to(self.device)
+            if payload is not None
+            else torch.empty(int(size), dtype=torch.uint8, device=self.device)
+        )
         data = self._communicator.broadcast(data, 0)
-        return pickle.loads(bytes(data.cpu().tolist()))  # noqa: S301 - rank 0 of this engine's own group
+        return _decode(bytes(data.cpu().tolist()))
 
     def close(self) -> None:
         """Give this rank's cache back and leave the process group."""
@@ -137,6 +141,38 @@ class LaunchedRankRunner:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _encode(sampled: Any) -> bytes:
+    """A step's result (tokens or :class:`TokenError` s, and a :class:`StepResult`'s logprobs) as JSON: data, never code."""
+    tokens = [t if isinstance(t, int) else {"error": t.message, "cache_suspect": t.cache_suspect} for t in sampled]
+    found: dict[str, Any] = {"tokens": tokens}
+    if isinstance(sampled, StepResult):
+        found["logprobs"] = {str(row): _top(lp) for row, lp in sampled.logprobs.items()}
+        found["prompt_logprobs"] = {
+            str(seq): [[pos, _top(lp)] for pos, lp in rows] for seq, rows in sampled.prompt_logprobs.items()
+        }
+    return json.dumps(found).encode()
+
+
+def _top(lp: TopLogprobs) -> list[Any]:
+    return [lp.token_id, lp.logprob, lp.rank, [list(pair) for pair in lp.top]]
+
+
+def _from_top(fields: list[Any]) -> TopLogprobs:
+    token_id, logprob, rank, top = fields
+    return TopLogprobs(token_id, logprob, rank, tuple((int(t), float(v)) for t, v in top))
+
+
+def _decode(data: bytes) -> Any:
+    """:func:`_encode`'s result back: a list, or a :class:`StepResult` where it carried logprobs."""
+    found = json.loads(data)
+    tokens = [t if isinstance(t, int) else TokenError(t["error"], t["cache_suspect"]) for t in found["tokens"]]
+    if "logprobs" not in found:
+        return tokens
+    logprobs = {int(row): _from_top(lp) for row, lp in found["logprobs"].items()}
+    prompt = {int(seq): [(pos, _from_top(lp)) for pos, lp in rows] for seq, rows in found["prompt_logprobs"].items()}
+    return StepResult(tokens, logprobs, prompt)
 
 
 def _digest(batch: StepBatch) -> bytes:
