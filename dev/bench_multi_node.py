@@ -66,7 +66,7 @@ def _generate_args(args: argparse.Namespace) -> list[str]:
 
 def _run(cmd: list[str], threads: int) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # noqa: S603 - our own CLI
 
 
 def _result(proc: subprocess.Popen[str]) -> dict:
@@ -110,7 +110,10 @@ def main() -> int:
     nodes_agree = ranks[0]["outputs"] == ranks[1]["outputs"]
     same = nodes_agree and ranks[0]["outputs"] == spawned
     alone = rows["one process, 1 thread"]["outputs"]
-    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(alone, spawned)]
+    first_diff = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), None)
+        for x, y in zip(alone, spawned, strict=True)
+    ]
     print(f"{len(PROMPTS)} prompts x {args.max_tokens} tokens, greedy, model {args.model or 'bundled'}\n")
     print("| run | tokens | generate (s) | tok/s |\n| --- | ---: | ---: | ---: |")
     for name, row in rows.items():
