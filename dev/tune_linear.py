@@ -3,11 +3,15 @@
     python3 dev/tune_linear.py [--rows 1,4,8,16] [--quick]
 
 For Llama-3-8B's decode products (``vllm_port.bench.ops.GEMV_SHAPES``) at each row count, times
-cuBLAS (``F.linear``) and the kernel under variants of its knobs with ``triton.testing.do_bench``
-(the L2 flushed before every call, as a decode step meets each weight once). The knobs are searched
-one group at a time, each group's winner kept for the next: tiles (BLOCK_N x BLOCK_K), then warps x
-pipeline stages, then the split rule (programs per SM to reach by splitting K; 0 never splits). A
-variant is scored by a decode step's time: 32 layers of qkv, o, gate_up and down, plus the lm_head.
+cuBLAS (``F.linear``) and the kernel under variants of its knobs as the engine runs them: replayed
+from a CUDA graph, back to back over copies of the weight that together pass 256 MiB (each call
+meets its weight cold, as a decode step meets each layer's; no flush between calls, since a step has
+none). ``triton.testing.do_bench`` (L2 flushed, eager launches) is printed beside it in the summary:
+at these sizes it adds the host's launch time of a Python launcher to the kernel's, which graphs do
+not pay. The knobs are searched in groups, each group's winner kept for the next: tiles (BLOCK_N x
+BLOCK_K) with every split rule (programs per SM to reach by splitting K; 0 never splits), then warps
+x pipeline stages, then the split rule again. A variant is scored by a decode step's time: 32 layers
+of qkv, o, gate_up and down, plus the lm_head.
 Both paths are searched where they apply: one row on vector units (``fma``) or on tensor cores
 (``dot``), more rows on tensor cores.
 The summary prints every shape beside cuBLAS (also timed as CUDA-graph replays, flush included and
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
@@ -40,6 +45,8 @@ WARPS_STAGES = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
 QUICK_WARPS_STAGES = [(4, 2), (4, 3), (8, 3)]
 WAVES = (0, 1, 2, 4, 8)
 DEVICE = "cuda"
+#: Bytes of weight copies a timed chain cycles through: five times an H200's 50 MiB L2.
+CHAIN_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,58 +73,59 @@ def cold_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
-def graph_cold_us(fn, calls: int = 20) -> float:
-    """Microseconds of one call as a CUDA graph replays it, each call after an L2 flush (flush time subtracted)."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEVICE)
-
-    def timed(with_fn: bool) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm up (compile) outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                flush.zero_()
-                if with_fn:
-                    fn()
-        samples = []
-        for _ in range(7):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(begin.elapsed_time(end) * 1e3 / calls)
-        return statistics.median(samples)
-
-    return timed(True) - timed(False)
+def chain_us(fn, copies: int, rounds: int = 4) -> float:
+    """Microseconds of one call ``fn(i)`` as a CUDA graph replays ``rounds`` passes over ``copies`` weight copies."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            fn(i)  # compile, and any first-call allocation, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for i in range(copies):
+                fn(i)
+    graph.replay()
+    samples = []
+    for _ in range(7):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) * 1e3 / (rounds * copies))
+    del graph
+    return statistics.median(samples)
 
 
 class Shapes:
     """Inputs for every shape at one row count, and the timing of a variant over them."""
 
-    def __init__(self, rows: int, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, rows: int, weights: dict[str, list[torch.Tensor]]) -> None:
         self.rows = rows
         self.weights = weights
         gen = torch.Generator(DEVICE).manual_seed(rows)
         self.x = {
-            name: torch.randn(rows, w.shape[1], device=DEVICE, dtype=w.dtype, generator=gen)
-            for name, w in weights.items()
+            name: torch.randn(rows, ws[0].shape[1], device=DEVICE, dtype=ws[0].dtype, generator=gen)
+            for name, ws in weights.items()
         }
-        self.ref = {name: F.linear(self.x[name], w) for name, w in weights.items()}
+        self.ref = {name: F.linear(self.x[name], ws[0]) for name, ws in weights.items()}
 
-    def time(self, fn_for) -> dict[str, float]:
-        return {name: cold_us(lambda name=name: fn_for(name)) for name in self.weights}
+    def time(self, linear) -> dict[str, float]:
+        """Graph-replayed chain time of ``linear(x, w)`` per shape."""
+        return {
+            name: chain_us(lambda i, name=name, ws=ws: linear(self.x[name], ws[i]), len(ws))
+            for name, ws in self.weights.items()
+        }
 
     def run_variant(self, variant: Variant) -> dict[str, float] | None:
         kernels = LinearKernels(variant.target())
         try:
-            for name, w in self.weights.items():
-                got = kernels._launch(self.x[name], w, None)
+            for name, ws in self.weights.items():
+                got = kernels._launch(self.x[name], ws[0], None)
                 torch.testing.assert_close(got.float(), self.ref[name].float(), atol=3e-2, rtol=3e-2)
-            return self.time(lambda name: kernels._launch(self.x[name], self.weights[name], None))
+            return self.time(lambda x, w: kernels._launch(x, w, None))
         except Exception as exc:  # out of shared memory, or wrong: reported, not fatal
             print(f"    {variant}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})", flush=True)
             return None
@@ -127,8 +135,8 @@ def step_us(times: dict[str, float]) -> float:
     return sum(PER_STEP[name] * t for name, t in times.items())
 
 
-def weight_bytes(weights: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {name: w.numel() * w.element_size() for name, w in weights.items()}
+def weight_bytes(weights: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    return {name: ws[0].numel() * ws[0].element_size() for name, ws in weights.items()}
 
 
 def describe(times: dict[str, float], nbytes: dict[str, int], copy_gbs: float) -> str:
@@ -151,7 +159,9 @@ def search(shapes: Shapes, path: str, quick: bool, nbytes, copy_gbs) -> tuple[Va
             if best is None or step_us(times) < step_us(best[1]):
                 best = (variant, times)
 
-    consider([Variant(path, n, k) for n, k in (QUICK_TILES if quick else TILES)], "tiles")
+    consider(
+        [Variant(path, n, k, waves=w) for n, k in (QUICK_TILES if quick else TILES) for w in WAVES], "tiles x split"
+    )
     if best is None:
         raise RuntimeError(f"no {path} variant ran at {shapes.rows} rows")
     v = best[0]
@@ -180,28 +190,35 @@ def pick(path: str, chosen, shapes_at: dict[int, Shapes]) -> tuple[Variant, dict
     return best, timed[best]
 
 
-def report(rows: int, variant: Variant, times, base, shapes: Shapes, nbytes, copy_gbs) -> None:
-    """One row count: per shape, cuBLAS and the kernel, by do_bench and as graph replays (flush subtracted)."""
+def report(rows: int, variant: Variant, times, base, shapes: Shapes, nbytes, copy_gbs) -> dict:
+    """One row count: per shape, cuBLAS and the kernel as graph-replayed chains, and by do_bench (eager)."""
     print(f"M={rows}: {variant}; decode step {step_us(times) / 1e3:.3f} ms vs cuBLAS {step_us(base) / 1e3:.3f} ms")
     kernels = LinearKernels(variant.target())
-    for name, w in shapes.weights.items():
-        x = shapes.x[name]
-        ours_graph = graph_cold_us(lambda x=x, w=w: kernels._launch(x, w, None))
-        blas_graph = graph_cold_us(lambda x=x, w=w: F.linear(x, w))
+    found = {}
+    for name, ws in shapes.weights.items():
+        x, w = shapes.x[name], ws[0]
+        ours_eager = cold_us(lambda x=x, w=w: kernels._launch(x, w, None))
+        blas_eager = cold_us(lambda x=x, w=w: F.linear(x, w))
 
         def cell(t: float, n: str = name) -> str:
             return f"{t:7.1f} us ({nbytes[n] / t / 1e3 / copy_gbs:4.0%})"
 
         print(
-            f"  {name:<8} cuBLAS {cell(base[name])} graph {cell(blas_graph)} | "
-            f"triton {cell(times[name])} graph {cell(ours_graph)} | {base[name] / times[name]:4.2f}x"
+            f"  {name:<8} cuBLAS graph {cell(base[name])} do_bench {cell(blas_eager)} | "
+            f"triton graph {cell(times[name])} do_bench {cell(ours_eager)} | {base[name] / times[name]:4.2f}x"
         )
+        found[name] = {
+            "cublas_graph_us": base[name], "cublas_do_bench_us": blas_eager,
+            "triton_graph_us": times[name], "triton_do_bench_us": ours_eager, "bytes": nbytes[name],
+        }  # fmt: skip
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8,16", help="comma-separated row counts (tokens)")
     parser.add_argument("--quick", action="store_true", help="a few variants per group (a smoke run)")
+    parser.add_argument("--json", help="write the summary (per row count and shape) to this file")
     args = parser.parse_args()
     started = time.perf_counter()
     dev = torch.device(DEVICE)
@@ -210,7 +227,10 @@ def main() -> None:
     print(f"{device_name}: copy {copy_gbs:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}")
     gen = torch.Generator(DEVICE).manual_seed(0)
     weights = {
-        name: torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / k**0.5
+        name: [
+            torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / k**0.5
+            for _ in range(max(1, -(-CHAIN_BYTES // (n * k * 2))))
+        ]
         for name, (n, k) in GEMV_SHAPES.items()
     }
     nbytes = weight_bytes(weights)
@@ -218,7 +238,7 @@ def main() -> None:
     chosen: dict[tuple[int, str], tuple[Variant, dict[str, float]]] = {}
     baselines: dict[int, dict[str, float]] = {}
     for rows, shapes in shapes_at.items():
-        baselines[rows] = shapes.time(lambda name, s=shapes: F.linear(s.x[name], s.weights[name]))
+        baselines[rows] = shapes.time(F.linear)
         print(f"M={rows:<2} {'cuBLAS':<47} {describe(baselines[rows], nbytes, copy_gbs)}", flush=True)
         for path in ("fma", "dot") if rows == 1 else ("dot",):
             chosen[(rows, path)] = search(shapes, path, args.quick, nbytes, copy_gbs)
@@ -236,10 +256,20 @@ def main() -> None:
         one_row.get("dot") is None or step_us(one_row["fma"]) <= step_us(one_row["dot"])
     )
 
-    print("\n=== cold (L2 flushed) us per call, % of copy bandwidth: cuBLAS beside the picks ===")
+    print(
+        "\n=== us per call, % of copy bandwidth: graph-replayed chains (cold weights) and do_bench, cuBLAS beside the picks ==="
+    )
+    summary = {"device": device_name, "copy_gbs": copy_gbs, "torch": torch.__version__, "triton": triton.__version__}
     for rows, shapes in shapes_at.items():
         variant, runs = picks["fma" if rows == 1 and use_fma else "dot"]
-        report(rows, variant, runs[rows], baselines[rows], shapes, nbytes, copy_gbs)
+        summary[f"M={rows}"] = {
+            "variant": str(variant),
+            "step_ms": {"cublas": step_us(baselines[rows]) / 1e3, "triton": step_us(runs[rows]) / 1e3},
+            "shapes": report(rows, variant, runs[rows], baselines[rows], shapes, nbytes, copy_gbs),
+        }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
 
     print("\nTritonTarget knobs to paste (CUDA):")
     for label, path in (("linear_fma", "fma"), ("linear_dot", "dot")):

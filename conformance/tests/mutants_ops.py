@@ -523,6 +523,16 @@ def floor_row_tiles(x):
     return out
 
 
+def last_split_dropped_on_one_row(x, weight, bias=None):
+    check_linear(x, weight, bias)
+    k = x.shape[-1]
+    if x.numel() // max(1, k) == 1 and k >= 8192 and weight.shape[0] <= 256:
+        # a split-K matrix-vector product whose last split counts itself in but its partial sums are never read
+        keep = k - k // 8
+        return F.linear(x[..., :keep], weight[:, :keep], bias)
+    return F.linear(x, weight, bias)
+
+
 def whole_k_tiles(x, weight, bias=None):
     check_linear(x, weight, bias)
     k = x.shape[-1]
@@ -645,6 +655,7 @@ def vllm_port_providers():
         one("rotary_embedding", "table_8192_rotary_embedding", table_of_8192, "bfloat16"),
         one("reshape_and_cache", "last_slot_reshape_and_cache", last_slot_skipped, "bfloat16"),
         one("linear", "gemv_bias_linear", bias_dropped_on_one_row, "bfloat16"),
+        one("linear", "last_split_gemv_linear", last_split_dropped_on_one_row, "bfloat16"),
         one("paged_attention", "window_uncapped_paged_attention", cap_dropped_with_window, "bfloat16"),
         one("fused_add_rms_norm", "two_dim_fused_add_rms_norm", rows_from_first_dim, "bfloat16"),
         one("reshape_and_cache", "tile_2048_reshape_and_cache", row_tile_of_2048, "bfloat16"),
@@ -827,6 +838,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _op_mutant("gemv_bias_linear", "linear", "bfloat16", _ROWS,
                "the one-row (decode, GEMV) path drops the bias",
                "small with bias: 1 row"),
+    _op_mutant("last_split_gemv_linear", "linear", "bfloat16", _ROWS,
+               "the one-row split-K path's reduction never reads the last split's partial sums",
+               "one row, 8192 in_features to 256 out_features, bias"),
     _op_mutant("window_uncapped_paged_attention", "paged_attention", "bfloat16", _COMBINED,
                "the sliding-window kernel variant ignores soft_cap",
                "soft cap 5 with sliding window 8, sharp scores"),

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from vllm_port.errors import OpInputError  # noqa: E402
 from vllm_port.kernels.triton import providers  # noqa: E402
-from vllm_port.kernels.triton.linear import LinearKernels, _splits  # noqa: E402
+from vllm_port.kernels.triton.linear import LinearKernels, _arrival_counts, _splits  # noqa: E402
 from vllm_port.kernels.triton_target import INTERPRETER  # noqa: E402
 from vllm_port.ops import ALL_OPS, BindContext, OpRegistry, Provider, linear  # noqa: E402
 from vllm_port_cuda.triton_targets import CUDA  # noqa: E402
@@ -33,8 +33,9 @@ if torch.cuda.is_available() and not INTERPRETED:
     NATIVE = ROCM if torch.version.hip else CUDA
 else:
     DEVICE, NATIVE = torch.device("cpu"), INTERPRETER
-if NATIVE.linear_max_rows == 0:  # a target that keeps its BLAS: test the kernel with its tiles anyway
-    NATIVE = dataclasses.replace(NATIVE, linear_max_rows=16)
+# a target that keeps its BLAS for some calls (CUDA serves one row and weights up to 64 MiB): the tests run
+# the kernel on every call it could serve, with the target's tiles
+NATIVE = dataclasses.replace(NATIVE, linear_max_rows=16, linear_max_weight_bytes=0)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,11 +72,12 @@ def test_signature_equals_the_reference_and_registers():
 
 @pytest.mark.parametrize(
     ("target", "bound"),
-    [(dataclasses.replace(CUDA, linear_max_rows=16), "triton_linear"), (CUDA, "reference"), (ROCM, "reference")],
+    [(dataclasses.replace(ROCM, linear_max_rows=16), "triton_linear"), (CUDA, "triton_linear"), (ROCM, "reference")],
     ids=["enabled", "cuda", "rocm"],
 )
 def test_binding_takes_it_where_the_target_enables_it(target, bound):
-    """A target binds the kernel when it enables it; CUDA and ROCm keep their BLAS until it is measured there."""
+    """A target binds the kernel when it enables it (CUDA: measured faster than cuBLAS on an H200); ROCm keeps
+    its BLAS until the kernel is measured there."""
     registry = OpRegistry(ALL_OPS)
     for p in providers(target, 20):
         registry.register(p, plugin="test", platform="gpu")
@@ -140,6 +142,8 @@ def test_split_reductions_agree_and_repeat_bitwise():
 
         check(run, (x, w, b), dtype)
         assert torch.equal(run(x, w, b), run(x, w, b)), split_k
+    # the last split of each block reset its arrival count: the next call starts from zeros
+    assert not _arrival_counts[DEVICE].any()
 
 
 def test_zero_rows_and_zero_features():
@@ -225,16 +229,30 @@ def test_splits_fill_the_device_and_cover_every_tile_once(num_sms, waves):
                 assert n_blocks >= waves * num_sms or k_tiles < 4
 
 
-def test_llama3_8b_decode_splits_on_an_h200():
-    """With CUDA's tiles on 132 SMs: the narrow projections split, gate_up and lm_head fill the device alone."""
+def test_llama3_8b_decode_on_an_h200_splits_only_narrow_shards():
+    """CUDA's one-row tiles on 132 SMs: Llama-3-8B's products fill the device unsplit; its qkv shard at
+    tensor-parallel 8 (768 outputs, 48 blocks) splits 3 ways."""
     tiles = CUDA.linear_fma
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    shapes["lm_head"] = (128256, 4096)
+    shapes["lm_head"], shapes["qkv / 8"] = (128256, 4096), (768, 4096)
     found = {
         name: _splits(triton.cdiv(n, tiles.block_n), triton.cdiv(k, tiles.block_k), 132, tiles.waves)[0]
         for name, (n, k) in shapes.items()
     }
-    assert found["gate_up"] == found["lm_head"] == 1 and min(found["qkv"], found["o"], found["down"]) > 1
+    assert found == {"qkv": 1, "o": 1, "gate_up": 1, "down": 1, "lm_head": 1, "qkv / 8": 3}
+
+
+def test_cuda_serves_one_row_and_weights_up_to_64_mib():
+    """Where cuBLAS measured as fast (more rows, larger weights), CUDA's target leaves the call to it."""
+    cuda = LinearKernels(CUDA)
+    meta = torch.device("meta")
+    x1, x2 = torch.empty(1, 4096, device=meta), torch.empty(2, 4096, device=meta)
+    o_proj, gate_up = torch.empty(4096, 4096, device=meta), torch.empty(28672, 4096, device=meta)
+    assert cuda.serves(x1.bfloat16(), o_proj.bfloat16())  # 32 MiB
+    assert not cuda.serves(x2.bfloat16(), o_proj.bfloat16())  # two rows
+    assert not cuda.serves(x1.bfloat16(), gate_up.bfloat16())  # 224 MiB
+    assert cuda.serves(x1, torch.empty(4096, 4096, device=meta))  # float32: 64 MiB, at the cap
+    assert not cuda.serves(x1, torch.empty(4097, 4096, device=meta))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="synchronisation debug mode needs a CUDA device")

@@ -30,7 +30,7 @@ class LinearTiles:
         warps: warps per program.
         stages: software-pipelining depth of the weight loads.
         waves: split the reduction until about this many programs per multiprocessor run (0: never
-            split); each split adds a float32 partial-sum write and a small reduction kernel.
+            split); each split adds a float32 partial-sum write, and the last split of a block reads them all.
     """
 
     block_n: int
@@ -110,6 +110,8 @@ class TritonTarget:
             any head's lighter ones (the shortest tail; at long context, all heads' keys share the L2).
         linear_max_rows: the most rows (product of ``x``'s leading dimensions) the split-K ``linear``
             kernel serves; more go to the vendor BLAS (``F.linear``). 0 declines ``linear`` at bind time.
+        linear_max_weight_bytes: the largest weight (in bytes) the kernel serves, 0 for any; larger ones go
+            to the vendor BLAS, where it streams them as fast (measured per target).
         linear_fma: tiles of the vector-unit path that serves one row (a matrix-vector product);
             None sends one row to the tensor-core path too.
         linear_dot: tiles of the tensor-core path (``tl.dot``, rows padded to 16).
@@ -142,6 +144,7 @@ class TritonTarget:
     prefill_tma: bool = False
     prefill_order: str = "head"
     linear_max_rows: int = 16
+    linear_max_weight_bytes: int = 0
     linear_fma: LinearTiles | None = LinearTiles(32, 256, 4, 3, 4)
     linear_dot: LinearTiles = LinearTiles(32, 256, 4, 3, 4)
     # shared memory per stage of the gate/up kernel: (block_m + 2 * block_n) * block_k * itemsize; the defaults

@@ -123,6 +123,9 @@ def _linear_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("small", 7, 64, 48, False),
         case("small with bias", 7, 64, 48, True),
         case("llama3-8b qkv decode", 4, 4096, 6144, False),
+        # one row (a matrix-vector product) over few outputs: a split-K kernel splits this reduction across
+        # programs (16 blocks of outputs cannot fill a GPU) and must add every split's partial sums
+        case("one row, 8192 in_features to 256 out_features, bias", 1, 8192, 256, True),
         # A long reduction: partial sums kept in 16 bits lose precision here.
         case("in_features 16384 (llama3-405b)", 16, 16384, 512, False),
         # tensor-parallel shards of llama2-7b's 11008-wide MLP: no multiple of 256 (5504) or of 64 (1376)

@@ -9,17 +9,18 @@ whose tiles fit every visible GPU. Plain data: importing this module needs no Tr
 
 from __future__ import annotations
 
-from vllm_port.kernels.triton_target import MoeTiles, TritonTarget
+from vllm_port.kernels.triton_target import LinearTiles, MoeTiles, TritonTarget
 
 __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 
 #: NVIDIA Hopper and newer data-centre parts (sm_90, sm_100: 227 KiB of shared memory a block, TMA); picked by compute capability (:func:`vllm_port_cuda.ops.target_for`).
-#: Element-wise blocks of 2048 measured best on an H200 (dev/tune_elementwise.py). ``linear`` (``TritonTarget``'s
-#: defaults, chosen from first principles until dev/tune_linear.py measures them): 256 bfloat16 of a weight row
-#: per step (a 16-byte vector per thread), 32 weight rows per program, 3 weight tiles of 16 KiB in flight,
-#: and the reduction split only where fewer than 4 programs per multiprocessor would run.
-#: Until that measurement, ``linear`` stays with cuBLAS on CUDA too (``linear_max_rows=0``): a kernel
-#: binds by default only where it has been measured faster than the library it replaces.
+#: Element-wise blocks of 2048 measured best on an H200 (dev/tune_elementwise.py). ``linear`` (dev/tune_linear.py on
+#: an H200, docs/results/linear-h200.md: Llama-3-8B's decode products replayed from CUDA graphs over cold weights,
+#: as the engine runs them): one row on vector units, 16 weight rows a program, 512 bfloat16 of a row a step,
+#: 4 warps, 2 stages, the reduction split only below one program per SM; it serves one row and weights up to
+#: 64 MiB (qkv 14.4 us against cuBLAS's 15.4, o 11.0 against 13.4); cuBLAS keeps the larger weights (gate_up 0.97x,
+#: down 1.01x, lm_head 1.00x: both stream them at the copy bandwidth) and every product of more rows, where the
+#: tensor-core path measured 0.87-0.98x.
 #: Attention (dev/tune_attention.py and dev/probe_hopper.py on an H200, docs/results/attention-h200.md): prefill
 #: takes 128 x 64 tiles over 4 warps, 2 stages (Q 32 KiB + 2 x 32 KiB of K/V for bf16 x 128: two programs share
 #: an SM, one's softmax overlapping the other's MMAs), with TMA where a key tile lies inside one cache block (the
@@ -51,7 +52,10 @@ CUDA = TritonTarget(
     decode_tma=True,
     prefill_tma=True,
     prefill_order="all_heads",
-    linear_max_rows=0,
+    linear_max_rows=1,
+    linear_max_weight_bytes=64 << 20,
+    linear_fma=LinearTiles(16, 512, 4, 2, 1),
+    linear_dot=LinearTiles(128, 128, 2, 3, 1),
     moe_small=MoeTiles(16, 32, 128, 4, 4),
     moe_large=MoeTiles(64, 128, 64, 4, 3),
     fp8_dot=True,

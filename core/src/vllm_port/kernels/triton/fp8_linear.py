@@ -30,7 +30,6 @@ from ...device_properties import compute_units
 from ...ops import BindContext
 from ...ops.fp8 import FP8_GROUP, FP8_MAX, check_fp8_linear, fp8_linear_reference, scale_granularity
 from ..triton_target import MatmulTiles, TritonTarget
-from .linear import _REDUCE_BLOCK, _reduce_splits_kernel
 
 __all__ = ["Fp8LinearKernels", "to_e4m3"]
 
@@ -41,6 +40,33 @@ _MIN_TILES_PER_SPLIT = 2
 _INTERPRETER_SMS = 4
 #: How the weight scale is laid out (constexpr of the matmul kernel).
 _PER_TENSOR, _PER_CHANNEL, _PER_GROUP = 0, 1, 2
+
+
+#: Outputs per program of the split reduction kernel.
+_REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [M, N], x's dtype, contiguous
+    part_ptr,  # [SPLIT_K, M, N] float32
+    b_ptr,
+    total,  # M * N
+    N,
+    split_k,
+    stride_b,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``out = sum(partials over splits, in split order) + bias``, rounded once to out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + (offs % N) * stride_b, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc, mask=mask)
 
 
 @triton.jit

@@ -4,9 +4,11 @@ At decode every ``linear`` multiplies a few rows (1 to 16 tokens) by a weight of
 weight's bytes are the whole cost, and a BLAS tuned for square products leaves bandwidth unused. Here
 each program computes ``BLOCK_N`` output features for *all* rows (padded to a power of two), so
 every weight byte is read once; when ``N / BLOCK_N`` programs would not fill the device, the
-reduction over ``K`` is split across programs too (:func:`_splits`), each writing float32 partial
-sums ``[SPLIT_K, M, N]`` that a second small kernel adds in a fixed order, with the bias and the
-rounding to the output dtype: results are the same from run to run. One row multiplies on vector
+reduction over ``K`` is split across programs too (:func:`_splits`). Each split writes float32
+partial sums ``[SPLIT_K, M, N]`` and counts itself in on its block of outputs; the last to arrive
+adds every split's partials in split order, with the bias and the rounding to the output dtype, and
+resets the count for the next call. One launch (no reduction kernel, whose launch costs a decode
+step more than its work), and results are the same from run to run whichever split arrives last. One row multiplies on vector
 units (``linear_fma`` tiles: products summed per thread, reduced across threads once at the end);
 more rows go through ``tl.dot`` on tensor cores (``linear_dot``), padded to its 16-row minimum (the
 padding costs compute, which is idle here, not bandwidth).
@@ -39,8 +41,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_TILES_PER_SPLIT = 2
 #: Most splits: bounds the float32 partial sums (``SPLIT_K x M x N``) and the reduction's reads.
 _MAX_SPLITS = 32
-#: Outputs per program of the reduction kernel.
-_REDUCE_BLOCK = 1024
+#: Blocks of outputs one device's arrival counts cover (256 KiB of int32); more blocks than this never
+#: split (``_splits`` splits only below ``waves x multiprocessors`` blocks, far fewer).
+_COUNTS = 1 << 16
 #: ``tl.dot``'s smallest operand edge.
 _DOT_MIN = 16
 #: Multiprocessors the CPU interpreter pretends to have, so that small test shapes split the reduction.
@@ -49,14 +52,17 @@ _INTERPRETER_SMS = 4
 
 @triton.jit(do_not_specialize=["M"])  # one compiled variant per row padding, whatever the row count
 def _skinny_linear_kernel(
-    out_ptr,  # [M, N], x's dtype, contiguous; or with SPLIT, float32 partials [SPLIT_K, M, N]
+    out_ptr,  # [M, N], x's dtype, contiguous
+    part_ptr,  # [SPLIT_K, M, N] float32 partial sums (SPLIT only)
+    count_ptr,  # [>= N / BLOCK_N] int32 arrivals per block of outputs, 0 between calls (SPLIT only)
     x_ptr,  # [M, K], any strides
     w_ptr,  # [N, K], any strides (a transposed view has stride_wn == 1)
-    b_ptr,  # [N] bias, read only with HAS_BIAS and without SPLIT (else the reduction adds it)
+    b_ptr,  # [N] bias, read only with HAS_BIAS
     M,
     N,
     K,
     k_per_split,  # input features per split: a multiple of BLOCK_K
+    split_k,  # programs sharing one block of outputs' reduction
     stride_xm,
     stride_xk,
     stride_wn,
@@ -66,7 +72,7 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no tile needs a mask
-    SPLIT: tl.constexpr,  # write float32 partial sums; the reduction kernel finishes
+    SPLIT: tl.constexpr,  # split_k > 1: partial sums, the last split to arrive finishes
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,  # tensor cores (tl.dot); else one row on vector units
     DOT_FP32: tl.constexpr,  # upcast tl.dot's 16-bit operands (the CPU interpreter's dot needs it)
@@ -76,7 +82,8 @@ def _skinny_linear_kernel(
 
     Program ``(pid_n, pid_k)`` covers outputs ``[pid_n * BLOCK_N, +BLOCK_N)`` and input features
     ``[pid_k * k_per_split, +k_per_split)``. Rows and outputs past ``M`` and ``N`` are computed from
-    wrapped indices (valid memory, no masks in the loop) and never stored.
+    wrapped indices (valid memory, no masks in the loop) and never stored. The weight is streamed
+    once (``evict_first``: it will not be read again before the other layers' weights evict it).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -94,11 +101,11 @@ def _skinny_linear_kernel(
         for k in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs)
-                w = tl.load(w_ptrs)
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
                 k_ok = k + ks < K
                 x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy="evict_first")
             if DOT_FP32:
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -112,11 +119,11 @@ def _skinny_linear_kernel(
         for k in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs)
-                w = tl.load(w_ptrs)
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
                 k_ok = (k + ks < K)[:, None]
                 x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
             partial += w.to(tl.float32) * x.to(tl.float32)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
@@ -125,34 +132,21 @@ def _skinny_linear_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
     if SPLIT:
-        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + offsets, acc, mask=mask)
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + offsets, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials written before the arrival publishes them
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the last split: all partials are in, whichever order they came
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(split_k):  # split order, so the sum rounds the same on every run
+                acc += tl.load(part_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols * stride_b, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offsets, acc, mask=mask)  # rounded once, to out's dtype
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols * stride_b, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offsets, acc, mask=mask)  # rounded once, to out's dtype
-
-
-@triton.jit
-def _reduce_splits_kernel(
-    out_ptr,  # [M, N], x's dtype, contiguous
-    part_ptr,  # [SPLIT_K, M, N] float32
-    b_ptr,
-    total,  # M * N
-    N,
-    split_k,
-    stride_b,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """``out = sum(partials over splits, in split order) + bias``, rounded once to out's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(split_k):
-        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + (offs % N) * stride_b, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc, mask=mask)
 
 
 def _splits(n_blocks: int, k_tiles: int, num_sms: int, waves: int) -> tuple[int, int]:
@@ -168,6 +162,23 @@ def _splits(n_blocks: int, k_tiles: int, num_sms: int, waves: int) -> tuple[int,
     split = min(triton.cdiv(wanted, n_blocks), k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS)
     tiles = triton.cdiv(k_tiles, split)
     return triton.cdiv(k_tiles, tiles), tiles
+
+
+_arrival_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts_for(device: torch.device) -> torch.Tensor | None:
+    """The device's arrival counts (zeros between calls: the last split of a block resets its count), or
+    None while a CUDA graph is being captured before the device's first split call: a buffer made then
+    would be zeroed only when the graph replays. Calls on one device share them, so splits must not run
+    on two streams of a device at once (an engine's forward runs on one).
+    """
+    counts = _arrival_counts.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _arrival_counts[device] = torch.zeros(_COUNTS, dtype=torch.int32, device=device)
+    return counts
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -191,13 +202,19 @@ class LinearKernels:
         """Whether the kernel takes this call (checked arguments); ``linear`` hands the rest to ``F.linear``.
 
         Served: 1 to ``linear_max_rows`` rows (the product of ``x``'s leading dimensions), at least one
-        input and output feature, bfloat16/float16/float32, and a weight with a unit stride (rows or
-        columns contiguous) so that its loads coalesce.
+        input and output feature, bfloat16/float16/float32, a weight of at most ``linear_max_weight_bytes``
+        (where the target caps it) with a unit stride (rows or columns contiguous) so that its loads coalesce.
         """
         n, k = weight.shape
         rows = math.prod(x.shape[:-1])
+        cap = self.target.linear_max_weight_bytes
         return (
-            0 < rows <= self.target.linear_max_rows and n > 0 and k > 0 and x.dtype in _DTYPES and 1 in weight.stride()
+            0 < rows <= self.target.linear_max_rows
+            and n > 0
+            and k > 0
+            and x.dtype in _DTYPES
+            and 1 in weight.stride()
+            and (cap == 0 or n * k * weight.element_size() <= cap)
         )
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,7 +227,7 @@ class LinearKernels:
     def _launch(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, split_k: int | None = None
     ) -> torch.Tensor:
-        """Run the kernel(s); ``split_k`` forces a split count (tests), else :func:`_splits` chooses."""
+        """Run the kernel; ``split_k`` forces a split count (tests), else :func:`_splits` chooses."""
         n, k = weight.shape
         x2 = _rows_view(x)
         m = x2.shape[0]
@@ -228,13 +245,16 @@ class LinearKernels:
         else:
             tiles_per_split = triton.cdiv(k_tiles, split_k)
             split_k = triton.cdiv(k_tiles, tiles_per_split)
+        counts = _counts_for(x.device) if split_k > 1 and n_blocks <= _COUNTS else None
+        if counts is None:  # no split, or no counts to reduce splits with
+            split_k, tiles_per_split = 1, k_tiles
         split = split_k > 1
-        dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
+        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
         dot_fp32 = use_dot and x.device.type == "cpu" and x.dtype != torch.float32
         bias_arg = bias if bias is not None else x2  # a placeholder pointer when there is no bias
         _skinny_linear_kernel[(n_blocks, split_k)](
-            dest, x2, weight, bias_arg,
-            m, n, k, tiles_per_split * tiles.block_k,
+            out, partials, counts if counts is not None else out, x2, weight, bias_arg,
+            m, n, k, tiles_per_split * tiles.block_k, split_k,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
             bias.stride(0) if bias is not None else 0,
             BLOCK_M=block_m,
@@ -249,12 +269,4 @@ class LinearKernels:
             num_warps=tiles.warps,
             num_stages=tiles.stages,
         )  # fmt: skip
-        if split:
-            _reduce_splits_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
-                out, dest, bias_arg, m * n, n, split_k,
-                bias.stride(0) if bias is not None else 0,
-                HAS_BIAS=bias is not None,
-                BLOCK=_REDUCE_BLOCK,
-                num_warps=4,
-            )  # fmt: skip
         return out
