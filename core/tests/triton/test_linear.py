@@ -143,7 +143,7 @@ def test_split_reductions_agree_and_repeat_bitwise():
         check(run, (x, w, b), dtype)
         assert torch.equal(run(x, w, b), run(x, w, b)), split_k
     # the last split of each block reset its arrival count: the next call starts from zeros
-    assert not _arrival_counts[DEVICE].any()
+    assert not _arrival_counts[x.device].any()
 
 
 def test_zero_rows_and_zero_features():
