@@ -119,6 +119,41 @@ def test_device_preemption_by_swap_keeps_greedy_output(setup, device_runtime):
     assert llm.scheduler.pool.num_free == llm.scheduler.pool.num_blocks
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["captured", "eager"])
+def test_asynchronous_scheduling_equals_the_synchronous_engine_on_the_device(setup, device_runtime, enforce_eager):
+    """Steps launched ahead (their inputs fed on the device from the step before, captured graphs replayed
+    over the step before's output buffer), seeded sampling and stops, and preemption by swap: the
+    synchronous engine's tokens, and the greedy ones the CPU's."""
+    model_dir, batch, params, want = setup
+    llm = LLM(
+        str(model_dir),
+        device=device_runtime,
+        kv_cache_memory=8 << 20,
+        enforce_eager=enforce_eager,
+        async_scheduling=True,
+    )
+    fed = []
+    launch = llm.runner.launch
+    llm.runner.launch = lambda b, feed=None: fed.append(feed is not None) or launch(b, feed)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want
+    assert sum(fed) > len(fed) // 2
+    sampled = [
+        SamplingParams(temperature=0.9, top_k=40, seed=i, max_tokens=10 + 7 * i, stop_token_ids=[3 + i])
+        for i in range(len(batch))
+    ]
+    sync = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, enforce_eager=enforce_eager)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, sampled)] == [
+        o.outputs[0].token_ids for o in sync.generate(batch, sampled)
+    ]
+    assert llm._ahead is None and llm.scheduler.pool.num_free == llm.scheduler.pool.num_blocks
+    if "pinned_host" in device_runtime.platform.memory_tiers:
+        tight = LLM(str(model_dir), device=device_runtime, block_size=4, kv_cache_memory=24 * 8192, swap_space=64 * 8192,
+                    enforce_eager=enforce_eager, async_scheduling=True)  # fmt: skip
+        tight.scheduler.reclaimer = DefaultReclaimer(swap_min_tokens=0)
+        outputs = tight.generate(batch, params)
+        assert [o.outputs[0].token_ids for o in outputs] == want and sum(o.num_preemptions for o in outputs) > 0
+
+
 def test_two_devices_in_tensor_parallel_equal_one(setup, device_runtime):
     if device_runtime.selected.probe.device_count < 2:
         pytest.skip("tensor parallelism needs two devices")

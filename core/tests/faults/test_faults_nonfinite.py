@@ -27,8 +27,8 @@ PARAMS = {
 VOCAB = 4096  # the bundled model's
 
 
-def generate(runtime: vllm_port.Runtime, mode: str, prompts=PROMPTS) -> tuple[list, LLM]:
-    llm = LLM(device=runtime, kv_cache_memory=4 << 20)  # the bundled model
+def generate(runtime: vllm_port.Runtime, mode: str, prompts=PROMPTS, **engine) -> tuple[list, LLM]:
+    llm = LLM(device=runtime, kv_cache_memory=4 << 20, **engine)  # the bundled model
     return [o.outputs[0] for o in llm.generate(list(prompts), PARAMS[mode][: len(prompts)])], llm
 
 
@@ -122,6 +122,16 @@ def test_a_samplers_bad_id_is_blamed_on_the_sampler(faulty_runtime, fault):
             "or deny its plugin (VLLM_PORT_PLUGINS=-zfaulty)" in out.error
         )
         assert "embedding" not in out.error
+
+
+@pytest.mark.parametrize("fault", ["linear NaN every 11th", "sample id past the vocabulary"])
+def test_asynchronous_scheduling_feeds_no_bad_token_on(faulty_runtime, fault):
+    """A step run ahead was fed its rows' ids before they were checked: a request whose row had NaN logits
+    or a bad id still ends with an error after a prefix of the healthy tokens, and no bad id is fed on."""
+    outputs, llm = generate(faulty_runtime(fault), "sampled", async_scheduling=True)
+    errors = assert_right_or_error(outputs, "sampled")
+    assert errors and all("engine step" in out.error for out in errors)
+    assert llm._ahead is None
 
 
 def test_a_samplers_bad_id_in_the_last_step_never_reaches_the_user(faulty_runtime):

@@ -208,6 +208,11 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine replays no captured graphs (default: it does where it can)",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine schedules each step before reading the last one's tokens (LLM(async_scheduling=True))",
+    )
+    parser.add_argument(
         "--save-model",
         default=None,
         help="build the random model into this directory, or reuse the one there (fp8 weights: DIR-fp8)",

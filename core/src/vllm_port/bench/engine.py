@@ -146,6 +146,7 @@ def run_engine(
             "provider_per_op": llm.provider_per_op,
             "captured_batch_sizes": llm.captured_batch_sizes,
             "tensor_parallel_size": llm_kwargs.get("tensor_parallel_size", 1),
+            "async_scheduling": llm_kwargs.get("async_scheduling", False),
         }
     finally:
         llm.close()
@@ -355,6 +356,7 @@ def run(
     enforce_eager: bool = False,
     save_model: str | None = None,
     weights: Sequence[str] | None = None,
+    async_scheduling: bool = False,
 ) -> dict[str, Any]:
     """Run the workload through every system asked for; return the results (what ``--json`` writes).
 
@@ -381,6 +383,8 @@ def run(
         kw: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
         if enforce_eager:
             kw["enforce_eager"] = True
+        if async_scheduling:
+            kw["async_scheduling"] = True
         copy_gbs = None
         for v in variants:
             path = Path(dirs[v.weights])
@@ -541,7 +545,10 @@ def render(result: dict[str, Any]) -> str:
         how = (
             f"replay captured graphs at {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]})" if sizes else "run eagerly"
         )
-        lines.append(f"\nengine: decode steps {how}; tensor parallel size {engine['tensor_parallel_size']}")
+        scheduling = "asynchronous" if engine.get("async_scheduling") else "synchronous"
+        lines.append(
+            f"\nengine: decode steps {how}; tensor parallel size {engine['tensor_parallel_size']}; {scheduling} scheduling"
+        )
     experts = result["results"].get("transformers", {}).get("experts_implementation")
     if experts:
         lines.append(f"transformers: experts implementation {experts!r}")
@@ -673,6 +680,7 @@ def main(args: Any) -> int:
             args.enforce_eager,
             args.save_model,
             weights,
+            getattr(args, "async_scheduling", False),
         )
     except FlagError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -72,6 +72,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     kv_cache_dtype: str = "auto"
     distributed_executor_backend: str | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         # the cheap checks, all before anything loads: importing moves, casts and traces the user's module
@@ -101,6 +102,11 @@ class EngineConfig:
             raise ValueError(
                 "distributed_executor_backend='external_launcher' runs this process as one rank of a core model "
                 "definition's eager step; drop placement/devices, make_step and importer"
+            )
+        if self.async_scheduling and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"LLM(async_scheduling=True, tensor_parallel_size={self.tensor_parallel_size}): asynchronous scheduling "
+                "runs one device's steps ahead; with tensor parallelism use async_scheduling=False"
             )
         if self.make_step is not None and self.tensor_parallel_size != 1:
             raise ValueError(
@@ -151,6 +157,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or _is_int(v), "None or an int"),
     "plugins": (lambda v: v is None or isinstance(v, str), "None or an allow/deny list such as 'cpu' or '-rocm'"),
     "enforce_eager": (lambda v: isinstance(v, bool), "True or False"),
+    "async_scheduling": (lambda v: isinstance(v, bool), "True or False"),
     "kv_cache_dtype": (
         lambda v: v in KV_CACHE_DTYPES,
         "'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (float8 e4m3 with scales of 1.0, vLLM's spelling); "

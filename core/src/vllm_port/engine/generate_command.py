@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
+            async_scheduling=args.async_scheduling,
         )
     except (VllmPortError, ValueError) as exc:
         progress.end(f"error: {exc}")
@@ -226,5 +227,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="mp (default): spawn the ranks here; external_launcher: this process is one rank torchrun started "
         "(every rank prints the same outputs; docs/multi-node.md)",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule each step before reading the last one's tokens (the same outputs; one device)",
     )
     add_json_flag(parser, "print one JSON object with outputs, platform, providers")

@@ -53,10 +53,11 @@ from .config import EngineConfig
 from .inputs import Prompt, unpack_prompt
 from .logprobs import Logprob
 from .request import Request, sample_seed
-from .runner import ModelRunner, StepFunction
+from .runner import ModelRunner, PendingStep, StepFunction
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepBatch, TopLogprobs
 from .sizing import activation_peak_bytes, memory_utilization_budget
+from .step_ahead import can_run_ahead, feed_rows
 from .tokenizer import IncrementalDetokenizer, Tokenizer, open_tokenizer
 
 __all__ = [
@@ -281,6 +282,10 @@ class LLM:
         spawns them on this machine; ``"external_launcher"`` (vLLM's name) makes this process one of the ranks
         that ``torchrun`` launched, on this machine or across several (``torchrun --nnodes``): every rank runs
         the same program and gets the same outputs (``docs/multi-node.md``).
+    :param async_scheduling: schedule and launch each step before reading the previous step's tokens
+        (vLLM's option of that name; :mod:`vllm_port.engine.step_ahead`): the host's work of a step overlaps
+        the device's, with the same outputs token for token. Steps whose requests need their tokens on the host
+        first (logits processing, logprobs, ``n > 1``) run synchronously. One device (``tensor_parallel_size=1``).
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -312,6 +317,7 @@ class LLM:
         trust_remote_code: bool = False,
         kv_cache_dtype: str = "auto",
         distributed_executor_backend: str | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
         del arguments["self"]
@@ -353,6 +359,8 @@ class LLM:
         # add_request's requests: one call holds all their deltas; per request id, its samples not yet finished
         self._core = _Call()
         self._added: dict[str, int] = {}
+        #: the step launched ahead and not read yet (asynchronous scheduling): its output, batch and result
+        self._ahead: tuple[SchedulerOutput, StepBatch, PendingStep] | None = None
 
     # --- facts -------------------------------------------------------------------------------------
 
@@ -614,6 +622,8 @@ class LLM:
                 if not r.seq.is_finished:
                     self.scheduler.finish(r.seq, "abort")
                 self._live.pop(r.seq.request_id, None)
+            if not self.scheduler.has_unfinished():
+                self._drain()
 
     def _enqueue(self, requests: list[_Submission], call: _Call) -> list[_Submission]:
         """Schedule ``requests`` not refused, their deltas going to ``call``; return them."""
@@ -704,9 +714,38 @@ class LLM:
         return bool(running)
 
     def _step(self) -> None:
-        """One engine step: schedule, run, and queue each live request's new token for its call."""
+        """One engine step: schedule, run, and queue each live request's new token for its call.
+
+        With ``async_scheduling`` the step read is the one launched before (:mod:`.step_ahead`), and the
+        next is launched first where it can be.
+        """
+        if not self.engine_config.async_scheduling:
+            out = self._schedule()
+            batch = out.batch(self.runner.block_size)
+            self._take_tokens(out, batch, self.runner.execute(batch))
+            return
+        if self._ahead is None:
+            out = self._schedule()
+            batch = out.batch(self.runner.block_size)
+            self._ahead = (out, batch, self.runner.launch(batch))
+        out, batch, pending = self._ahead
+        self._ahead = None
+        committed = can_run_ahead(out, batch, self.max_model_len)
+        if committed:
+            self.scheduler.commit(out, batch)
+            try:
+                self._launch_ahead(out, pending)
+            except BaseException:  # step N's tokens still count: read them, then say what failed
+                self._take_tokens(out, batch, pending.result(), committed=True)
+                raise
+        self._take_tokens(out, batch, pending.result(), committed=committed)
+        if not self.scheduler.has_unfinished():
+            self._drain()
+
+    def _schedule(self, *, ahead: bool = False) -> SchedulerOutput:
+        """The scheduler's next step; ``ahead``: one scheduled before the last step's tokens are read."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty and not ahead:
             waiting, running = self.scheduler.waiting, self.scheduler.running
             raise EngineError(  # the first few of each: under load the queues hold thousands
                 f"a step scheduled nothing while requests wait (waiting: {len(waiting)}, first {waiting[:3]}; "
@@ -717,11 +756,33 @@ class LLM:
             metrics = self._live[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        return out
+
+    def _launch_ahead(self, committed: SchedulerOutput, pending: PendingStep) -> None:
+        """Schedule and launch the step after ``committed`` (advanced, its tokens not read), fed from ``pending``."""
+        out = self._schedule(ahead=True)
+        if out.is_empty:  # nothing to run ahead (the synchronous path raises if nothing can run at all)
+            return
         batch = out.batch(self.runner.block_size)
-        sampled = self.runner.execute(batch)
+        positions, rows = feed_rows(committed, out)
+        feed = pending.feed(positions, rows) if positions else None
+        self._ahead = (out, batch, self.runner.launch(batch, feed))
+
+    def _drain(self) -> None:
+        """Read and drop the step launched ahead, if any (its requests all ended since): nothing stays in flight."""
+        if self._ahead is not None:
+            out, batch, pending = self._ahead
+            self._ahead = None
+            self._take_tokens(out, batch, pending.result())
+
+    def _take_tokens(
+        self, out: SchedulerOutput, batch: StepBatch, sampled: list[Any], *, committed: bool = False
+    ) -> None:
+        """Give the step's tokens to its requests (``committed``: the scheduler advanced them already) and queue
+        each live request's delta for its call."""
         now = time.time()
         self._record_logprobs(out, batch, sampled)
-        for seq in self.scheduler.update(out, sampled):
+        for seq in self.scheduler.update(out, sampled, committed=committed):
             r = self._live[seq.request_id]
             r.call.outputs.append(self._advance(r))
             metrics = r.metrics

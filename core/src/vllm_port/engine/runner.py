@@ -51,7 +51,7 @@ from ..ops import BoundOps
 from ..ops.debug import CheckedOp, blame, provider_fault, scrutinize
 from .scheduler import StepBatch, StepResult, TokenError, TopLogprobs
 
-__all__ = ["ModelRunner", "StepFunction", "default_step", "eager_step", "flat_step"]
+__all__ = ["ModelRunner", "PendingStep", "StepFeed", "StepFunction", "default_step", "eager_step", "flat_step"]
 
 #: ``step(input_ids, positions, kv_caches, meta, logits_rows) -> logits [len(logits_rows), vocab]``:
 #: one forward over the packed tokens of a step, with the logits of the rows in ``logits_rows``.
@@ -158,6 +158,8 @@ class ModelRunner:
         self._own_ops = ops is None
         #: steps executed so far (error messages name the step)
         self.num_steps = 0
+        #: steps launched so far (a launched step's captured logits are current until the next launch)
+        self.num_launches = 0
         self.block_size = block_size
         c = model.config
         # "fp8": the cache in e4m3 (half of bfloat16's bytes a block: the pool holds twice the blocks), read and
@@ -263,14 +265,29 @@ class ModelRunner:
         :class:`TokenError` saying why instead of a token. When the batch asks for logprobs (of the
         drawn tokens or of prompt tokens) the list is a :class:`StepResult` carrying them.
         """
+        return self.launch(batch).result()
+
+    def launch(self, batch: StepBatch, feed: StepFeed | None = None) -> PendingStep:
+        """Start one step on the device and return without waiting for it (:meth:`execute` = ``launch(...).result()``).
+
+        The sampled ids stay on the device until :meth:`PendingStep.result` reads them, so the host can
+        schedule and launch the next step meanwhile (``LLM(async_scheduling=True)``). ``feed`` fills that
+        next step's input ids that the host does not know yet (the tokens this step samples) from the
+        device, before the forward.
+        """
         self._migrate(batch)
         if not batch.query_lens:
-            return []
+            return PendingStep.ready([])
         self.num_steps += 1
+        self.num_launches += 1
         with torch.inference_mode(), blame(self.ops):  # a provider that raises is named (no cost otherwise)
             ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
+            if feed is not None:
+                feed.fill(ids)
             prompt_rows = self._prompt_rows(batch) if batch.prompt_logprobs else None
-            if self._captured(batch):  # rows are every sequence, in order
+            captured = self._captured(batch)
+            prompt_logits = None
+            if captured:  # rows are every sequence, in order
                 logits = self.decode_graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
             elif prompt_rows is not None:  # the prompt positions whose logprobs are asked for, after the sampling rows
                 both = self.step(ids, positions, self.kv_caches, meta, torch.cat((rows, prompt_rows[0])))
@@ -278,7 +295,9 @@ class ModelRunner:
             else:
                 logits = self.step(ids, positions, self.kv_caches, meta, rows)
             if not batch.sample_rows:
-                return [] if prompt_rows is None else self._with_prompt_logprobs(batch, [], prompt_rows, prompt_logits)
+                return PendingStep.ready(
+                    [] if prompt_rows is None else self._with_prompt_logprobs(batch, [], prompt_rows, prompt_logits)
+                )
             # a flag per row, on the device: NaN and Inf make the row's float32 sum non-finite (so would
             # finite logits past 1e34, which _non_finite_row tells apart); one read of the logits
             if any(batch.temperatures) or batch.processing:
@@ -298,18 +317,31 @@ class ModelRunner:
                 wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 finite = wide.sum(dim=-1).isfinite()
                 sampled = wide.argmax(dim=-1)
-            tokens, flags = torch.stack((sampled, finite.to(sampled.dtype))).tolist()  # the step's one host sync
+            return PendingStep(
+                self, batch, sampled, finite, logits, captured, lambda: self.step(ids, positions, self.kv_caches, meta, rows),
+                prompt_rows, prompt_logits,
+            )  # fmt: skip
+
+    def _result(self, pending: PendingStep) -> list[int | TokenError]:
+        """The tokens of a launched step: its one host synchronisation, then the rare paths (errors, logprobs)."""
+        batch, sampled, logits = pending.batch, pending.sampled, pending.logits
+        with torch.inference_mode(), blame(self.ops):
+            tokens, flags = torch.stack(
+                (sampled, pending.finite.to(sampled.dtype))
+            ).tolist()  # the step's one host sync
             vocab = logits.shape[-1]
             if all(flags) and min(tokens) >= 0 and max(tokens) < vocab:
                 result: list[int | TokenError] = tokens
             else:
-                result = self._row_errors(
-                    batch, logits, tokens, flags, lambda: self.step(ids, positions, self.kv_caches, meta, rows)
-                )
+                if pending.captured and pending.launch != self.num_launches:
+                    # a later step replayed the same graph over its output: the step's logits again (its keys and
+                    # values are in the cache, rewritten with the same values), for the diagnosis
+                    logits = pending.rerun()
+                result = self._row_errors(batch, logits, tokens, flags, pending.rerun)
             if batch.logprobs:  # a second transfer, only when some request asks for logprobs
                 result = self._with_logprobs(batch, result, logits, sampled)
-            if prompt_rows is not None:
-                result = self._with_prompt_logprobs(batch, result, prompt_rows, prompt_logits)
+            if pending.prompt_rows is not None:
+                result = self._with_prompt_logprobs(batch, result, pending.prompt_rows, pending.prompt_logits)
             return result
 
     # --- logits processors and logprobs (only for steps whose requests ask for them) ---------------
@@ -579,3 +611,74 @@ def _budget(runtime: Any, kv_cache_memory: float | int, layout: KVLayout, max_to
         free, _ = runtime.allocator().mem_info()
         return min(int(free * kv_cache_memory), cap)
     return min(kv_cache_memory, cap)
+
+
+class StepFeed:
+    """The next step's input ids that are this step's samples: filled on the device, never read by the host.
+
+    :param sampled: the launched step's sampled ids ``[rows]`` (on the device).
+    :param positions: indices into the next step's ``input_ids`` that hold a placeholder.
+    :param rows: for each such index, the row of ``sampled`` whose id goes there.
+    :param vocab_size: ids are clamped into ``[0, vocab_size)``: a row that drew no valid id (its request ends
+        with an error when the step's result is read) still feeds a valid one to the step already launched.
+    """
+
+    def __init__(self, sampled: torch.Tensor, positions: list[int], rows: list[int], vocab_size: int) -> None:
+        self.sampled, self.positions, self.rows, self.vocab_size = sampled, positions, rows, vocab_size
+
+    def fill(self, ids: torch.Tensor) -> None:
+        """Write the fed ids into ``ids`` (the next step's, on the device), in place."""
+        if not self.positions:
+            return
+        where = torch.tensor([*self.positions, *self.rows], dtype=torch.int64).to(ids.device, non_blocking=True)
+        at, rows = where.split([len(self.positions), len(self.rows)])
+        ids.index_copy_(0, at, self.sampled.index_select(0, rows).clamp(0, self.vocab_size - 1).to(ids.dtype))
+
+
+class PendingStep:
+    """A launched step (:meth:`ModelRunner.launch`): its sampled ids on the device until :meth:`result` reads them."""
+
+    def __init__(
+        self,
+        runner: ModelRunner | None,
+        batch: StepBatch | None,
+        sampled: Any = None,
+        finite: Any = None,
+        logits: Any = None,
+        captured: bool = False,
+        rerun: Callable[[], Any] | None = None,
+        prompt_rows: Any = None,
+        prompt_logits: Any = None,
+    ) -> None:
+        self.runner, self.batch = runner, batch
+        self.sampled, self.finite, self.logits = sampled, finite, logits
+        #: replayed from a captured graph: ``logits`` is the graph's output buffer, which the next replay overwrites
+        self.captured = captured
+        self.rerun = rerun or (lambda: None)
+        self.prompt_rows, self.prompt_logits = prompt_rows, prompt_logits
+        self.launch = runner.num_launches if runner is not None else 0
+        self._result: list[int | TokenError] | None = None
+
+    @classmethod
+    def ready(cls, result: list[int | TokenError]) -> PendingStep:
+        """A step whose result is known at launch (no sampling rows, or nothing to run)."""
+        pending = cls(None, None)
+        pending._result = result
+        return pending
+
+    @property
+    def samples_on_device(self) -> bool:
+        """Its sampled ids are on the device (a step with sampling rows), so the next step can be fed from them."""
+        return self._result is None and self.sampled is not None
+
+    def feed(self, positions: list[int], rows: list[int]) -> StepFeed:
+        """A feed of the next step's ``positions`` from this step's sampled ``rows``."""
+        return StepFeed(self.sampled, positions, rows, self.logits.shape[-1])
+
+    def result(self) -> list[int | TokenError]:
+        """The token (or :class:`TokenError`) of each of the batch's sampling rows, waiting for the device once."""
+        if self._result is None:
+            assert self.runner is not None
+            self._result = self.runner._result(self)
+            self.sampled = self.finite = self.logits = self.prompt_logits = None  # the device memory goes back
+        return self._result

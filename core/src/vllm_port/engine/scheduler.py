@@ -46,6 +46,12 @@ requests that ask for it: each such row's :class:`RowProcessing` (penalties, ``m
 tokens banned this step by ``min_tokens`` and ``bad_words``), the rows that want logprobs, and the
 prompt tokens whose logprobs a step's positions predict. A request with ``prompt_logprobs`` takes
 nothing from the prefix cache (its cached positions would have no logits): it recomputes its prompt.
+
+Asynchronous scheduling (``LLM(async_scheduling=True)``) schedules step N+1 while step N runs:
+:meth:`Scheduler.commit` advances step N's sequences before their tokens are known, each sampling
+one holding a :data:`PLACEHOLDER` as its last token, which the runner fills on the device from step
+N's sampled ids; ``update(..., committed=True)`` writes the tokens in their place once they are read,
+and stops the requests that end there (a row scheduled for one of them in step N+1 is dropped).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from ..reclaimer import MemoryPressure, Reclaimer, RequestFacts, check_plan
 from .request import Request, RequestStatus
 
 __all__ = [
+    "PLACEHOLDER",
     "RowProcessing",
     "Scheduler",
     "SchedulerConfig",
@@ -68,6 +75,11 @@ __all__ = [
     "TokenError",
     "TopLogprobs",
 ]
+
+
+#: The last token of a sequence whose sampled token the host has not read yet (asynchronous scheduling):
+#: never a vocabulary id, never given to the model (the runner writes the sampled id in its place).
+PLACEHOLDER = -1
 
 
 @dataclass(frozen=True)
@@ -238,6 +250,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    #: per scheduled sequence, whether it samples: set by :meth:`Scheduler.commit` (``None``: not committed)
+    committed: list[bool] | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -341,6 +355,8 @@ class Scheduler:
         """
         if seq.is_finished:
             return
+        if seq.token_ids[-1:] == [PLACEHOLDER]:  # its token was not read yet: dropped, as a sync step drops it
+            seq.token_ids.pop()
         for sample in seq.forks:
             self.finish(sample, reason, error)
         if seq.status is RequestStatus.RUNNING:
@@ -393,21 +409,56 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int | TokenError]) -> list[Request]:
+    def commit(self, out: SchedulerOutput, batch: StepBatch) -> list[Request]:
+        """Advance the step's sequences before its tokens are known (asynchronous scheduling).
+
+        Each sequence counts this step's tokens as computed, and each sampling one takes a
+        :data:`PLACEHOLDER` for the token it samples, so the next :meth:`schedule` gives it the step
+        after; ``update(out, tokens, committed=True)`` puts the tokens in the placeholders' place.
+        Only for steps without forks (the engine checks: ``SamplingParams.n == 1``); ``batch`` is the step's
+        batch as launched.
+
+        :return: the sequences that took a placeholder, in step order (one per sampling row).
+        """
+        # the step's sampling rows as launched (``batch``): a request ended since (an error in the step before, an
+        # abort) no longer tells from its lengths that it samples, and its row still holds its place among them
+        rows = set(batch.sample_rows)
+        out.committed = [i in rows for i in range(len(out.seqs))]
+        placed = []
+        for seq, n, sampling in zip(out.seqs, out.num_new_tokens, out.committed, strict=True):
+            if seq.is_finished:  # aborted while the step was scheduled: its row's token will be dropped
+                continue
+            seq.num_computed_tokens += n
+            if self.config.enable_prefix_caching:
+                self._register(seq)
+            if sampling:
+                seq.append(PLACEHOLDER)
+                placed.append(seq)
+        return placed
+
+    def update(
+        self, out: SchedulerOutput, sampled: list[int | TokenError], *, committed: bool = False
+    ) -> list[Request]:
         """Advance the step's sequences, append the sampled tokens (one per sampling sequence, in order).
 
         Finishes sequences that stop (:meth:`_stop_reason`), and with ``"error"`` those whose row
-        produced a :class:`TokenError` instead of a token.
+        produced a :class:`TokenError` instead of a token. ``committed``: :meth:`commit` advanced them
+        already, and each token takes its placeholder's place.
 
         :return: the sequences that got a token or an error, in step order.
         """
         tokens = iter(sampled)
         grown: list[Request] = []
         for i, seq in enumerate(out.seqs):
-            sampling = out.samples(i)
-            seq.num_computed_tokens += out.num_new_tokens[i]
-            if self.config.enable_prefix_caching:
-                self._register(seq)
+            if committed:  # advanced by commit(), which noted the sampling rows
+                if out.committed is None:
+                    raise ValueError("update(committed=True) of a step that commit() did not advance")
+                sampling = out.committed[i]
+            else:
+                sampling = out.samples(i)
+                seq.num_computed_tokens += out.num_new_tokens[i]
+                if self.config.enable_prefix_caching:
+                    self._register(seq)
             if not sampling:
                 continue
             token = next(tokens)
@@ -420,16 +471,20 @@ class Scheduler:
                 if not isinstance(sample_token, TokenError):
                     self._fork(seq, sample)
             for sample, sample_token in [(seq, token), *samples]:
-                self._take(sample, sample_token, grown)
+                self._take(sample, sample_token, grown, replace=committed)
         return grown
 
-    def _take(self, seq: Request, token: int | TokenError, grown: list[Request]) -> None:
-        """Append ``token`` to ``seq`` (or finish it with the row's error) and stop it if it ends there."""
+    def _take(self, seq: Request, token: int | TokenError, grown: list[Request], *, replace: bool = False) -> None:
+        """Append ``token`` to ``seq`` (``replace``: in its placeholder's place), or finish it with the row's
+        error, and stop it if it ends there."""
         grown.append(seq)
         if isinstance(token, TokenError):
             self.finish(seq, "error", token.message, keep_prefix=not token.cache_suspect)
             return
-        seq.append(token)
+        if replace:
+            seq.token_ids[-1] = token
+        else:
+            seq.append(token)
         reason = self._stop_reason(seq, token)
         if reason is not None:
             self.finish(seq, reason)
