@@ -283,7 +283,7 @@ class ModelRunner:
         with torch.inference_mode(), blame(self.ops):  # a provider that raises is named (no cost otherwise)
             ids, positions, meta, rows, top_k, seeds, temperature, top_p = self._tensors(batch)
             if feed is not None:
-                feed.fill(ids)
+                feed.fill(ids, self._upload)
             prompt_rows = self._prompt_rows(batch) if batch.prompt_logprobs else None
             captured = self._captured(batch)
             prompt_logits = None
@@ -626,11 +626,12 @@ class StepFeed:
     def __init__(self, sampled: torch.Tensor, positions: list[int], rows: list[int], vocab_size: int) -> None:
         self.sampled, self.positions, self.rows, self.vocab_size = sampled, positions, rows, vocab_size
 
-    def fill(self, ids: torch.Tensor) -> None:
-        """Write the fed ids into ``ids`` (the next step's, on the device), in place."""
+    def fill(self, ids: torch.Tensor, upload: Callable[[list[Any], torch.dtype], torch.Tensor]) -> None:
+        """Write the fed ids into ``ids`` (the next step's, on the device), in place; ``upload`` stages the indices
+        (the runner's: page-locked where the platform has it, so the copy does not wait for the step in flight)."""
         if not self.positions:
             return
-        where = torch.tensor([*self.positions, *self.rows], dtype=torch.int64).to(ids.device, non_blocking=True)
+        where = upload([*self.positions, *self.rows], torch.int64)
         at, rows = where.split([len(self.positions), len(self.rows)])
         ids.index_copy_(0, at, self.sampled.index_select(0, rows).clamp(0, self.vocab_size - 1).to(ids.dtype))
 
