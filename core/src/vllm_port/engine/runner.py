@@ -317,18 +317,27 @@ class ModelRunner:
                 wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 finite = wide.sum(dim=-1).isfinite()
                 sampled = wide.argmax(dim=-1)
-            return PendingStep(
+            pending = PendingStep(
                 self, batch, sampled, finite, logits, captured, lambda: self.step(ids, positions, self.kv_caches, meta, rows),
                 prompt_rows, prompt_logits,
             )  # fmt: skip
+            if self._pinned:  # the ids' copy to the host queued now, behind this step and ahead of the next
+                packed = torch.stack((sampled, finite.to(sampled.dtype)))
+                pending.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                pending.host.copy_(packed, non_blocking=True)
+                pending.copied = torch.Event(device=packed.device)
+                pending.copied.record()
+            return pending
 
     def _result(self, pending: PendingStep) -> list[int | TokenError]:
         """The tokens of a launched step: its one host synchronisation, then the rare paths (errors, logprobs)."""
         batch, sampled, logits = pending.batch, pending.sampled, pending.logits
         with torch.inference_mode(), blame(self.ops):
-            tokens, flags = torch.stack(
-                (sampled, pending.finite.to(sampled.dtype))
-            ).tolist()  # the step's one host sync
+            if pending.copied is not None:  # the step's one host sync: its own copy, not the steps launched after it
+                pending.copied.synchronize()
+                tokens, flags = pending.host.tolist()
+            else:  # the step's one host sync
+                tokens, flags = torch.stack((sampled, pending.finite.to(sampled.dtype))).tolist()
             vocab = logits.shape[-1]
             if all(flags) and min(tokens) >= 0 and max(tokens) < vocab:
                 result: list[int | TokenError] = tokens
@@ -659,6 +668,9 @@ class PendingStep:
         self.prompt_rows, self.prompt_logits = prompt_rows, prompt_logits
         self.launch = runner.num_launches if runner is not None else 0
         self._result: list[int | TokenError] | None = None
+        #: the sampled ids and finite flags copied to page-locked host memory at launch, and the event after the copy
+        self.host: torch.Tensor | None = None
+        self.copied: Any = None
 
     @classmethod
     def ready(cls, result: list[int | TokenError]) -> PendingStep:
@@ -681,5 +693,5 @@ class PendingStep:
         if self._result is None:
             assert self.runner is not None
             self._result = self.runner._result(self)
-            self.sampled = self.finite = self.logits = self.prompt_logits = None  # the device memory goes back
+            self.sampled = self.finite = self.logits = self.prompt_logits = self.host = None  # the memory goes back
         return self._result
