@@ -159,8 +159,14 @@ def test_engine_core_api_with_aborts(llama_model, cpu_runtime):
 
 
 def test_config_refuses_what_it_cannot_run():
-    with pytest.raises(ValueError, match=r"async_scheduling=True, tensor_parallel_size=2"):
+    with pytest.raises(
+        ValueError, match=r"async_scheduling=True, tensor_parallel_size=2, .*use async_scheduling=False"
+    ):
         LLM(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(
+        ValueError, match=r"distributed_executor_backend='external_launcher'\): asynchronous scheduling"
+    ):
+        LLM(async_scheduling=True, distributed_executor_backend="external_launcher")
     with pytest.raises(
         ValueError, match=r"LLM\(async_scheduling='yes'\): async_scheduling is 'yes'; it must be True or False"
     ):

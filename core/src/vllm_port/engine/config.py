@@ -103,10 +103,11 @@ class EngineConfig:
                 "distributed_executor_backend='external_launcher' runs this process as one rank of a core model "
                 "definition's eager step; drop placement/devices, make_step and importer"
             )
-        if self.async_scheduling and self.tensor_parallel_size != 1:
+        if self.async_scheduling and (self.tensor_parallel_size != 1 or self.launched):
             raise ValueError(
-                f"LLM(async_scheduling=True, tensor_parallel_size={self.tensor_parallel_size}): asynchronous scheduling "
-                "runs one device's steps ahead; with tensor parallelism use async_scheduling=False"
+                f"LLM(async_scheduling=True, tensor_parallel_size={self.tensor_parallel_size}, distributed_executor_backend="
+                f"{self.distributed_executor_backend!r}): asynchronous scheduling runs one device's steps ahead in this "
+                "process; with tensor parallelism or launched ranks use async_scheduling=False"
             )
         if self.make_step is not None and self.tensor_parallel_size != 1:
             raise ValueError(
