@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 
 import torch
@@ -31,7 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from vllm_port.bench._timing import copy_bandwidth_gbs
+import vllm_port
+from vllm_port.bench._timing import copy_bandwidth_gbs, graph_median_ms
 from vllm_port.bench.ops import GEMV_SHAPES
 from vllm_port.kernels.triton import LinearTiles, TritonTarget
 from vllm_port.kernels.triton.linear import LinearKernels
@@ -73,38 +73,20 @@ def cold_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
-def chain_us(fn, copies: int, rounds: int = 4) -> float:
-    """Microseconds of one call ``fn(i)`` as a CUDA graph replays ``rounds`` passes over ``copies`` weight copies."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)  # compile, and any first-call allocation, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for i in range(copies):
-                fn(i)
-    graph.replay()
-    samples = []
-    for _ in range(7):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3 / (rounds * copies))
-    del graph
-    return statistics.median(samples)
+def chain_us(fn, copies: int, capture, rounds: int = 4) -> float:
+    """Microseconds of one call ``fn(i)`` as a CUDA graph replays ``rounds`` passes over ``copies`` weight copies
+    (``capture`` warms the chain up outside the graph: the kernels compile, the split counts are allocated)."""
+    chain = lambda: [fn(i) for i in range(copies)]  # noqa: E731
+    return graph_median_ms(chain, capture, torch.device(DEVICE), calls=rounds, repeat=7) * 1e3 / copies
 
 
 class Shapes:
     """Inputs for every shape at one row count, and the timing of a variant over them."""
 
-    def __init__(self, rows: int, weights: dict[str, list[torch.Tensor]]) -> None:
+    def __init__(self, rows: int, weights: dict[str, list[torch.Tensor]], capture) -> None:
         self.rows = rows
         self.weights = weights
+        self.capture = capture
         gen = torch.Generator(DEVICE).manual_seed(rows)
         self.x = {
             name: torch.randn(rows, ws[0].shape[1], device=DEVICE, dtype=ws[0].dtype, generator=gen)
@@ -115,7 +97,7 @@ class Shapes:
     def time(self, linear) -> dict[str, float]:
         """Graph-replayed chain time of ``linear(x, w)`` per shape."""
         return {
-            name: chain_us(lambda i, name=name, ws=ws: linear(self.x[name], ws[i]), len(ws))
+            name: chain_us(lambda i, name=name, ws=ws: linear(self.x[name], ws[i]), len(ws), self.capture)
             for name, ws in self.weights.items()
         }
 
@@ -234,7 +216,8 @@ def main() -> None:
         for name, (n, k) in GEMV_SHAPES.items()
     }
     nbytes = weight_bytes(weights)
-    shapes_at = {rows: Shapes(rows, weights) for rows in (int(r) for r in args.rows.split(","))}
+    capture = vllm_port.load().graph_capture()  # the CUDA plugin's, as the engine captures its decode steps
+    shapes_at = {rows: Shapes(rows, weights, capture) for rows in (int(r) for r in args.rows.split(","))}
     chosen: dict[tuple[int, str], tuple[Variant, dict[str, float]]] = {}
     baselines: dict[int, dict[str, float]] = {}
     for rows, shapes in shapes_at.items():

@@ -680,7 +680,7 @@ def main(args: Any) -> int:
             args.enforce_eager,
             args.save_model,
             weights,
-            getattr(args, "async_scheduling", False),
+            args.async_scheduling,
         )
     except FlagError as exc:
         print(f"error: {exc}", file=sys.stderr)

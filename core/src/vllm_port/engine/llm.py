@@ -720,13 +720,11 @@ class LLM:
         next is launched first where it can be.
         """
         if not self.engine_config.async_scheduling:
-            out = self._schedule()
-            batch = out.batch(self.runner.block_size)
+            out, batch = self._schedule()
             self._take_tokens(out, batch, self.runner.execute(batch))
             return
         if self._ahead is None:
-            out = self._schedule()
-            batch = out.batch(self.runner.block_size)
+            out, batch = self._schedule()
             self._ahead = (out, batch, self.runner.launch(batch))
         out, batch, pending = self._ahead
         self._ahead = None
@@ -742,8 +740,8 @@ class LLM:
         if not self.scheduler.has_unfinished():
             self._drain()
 
-    def _schedule(self, *, ahead: bool = False) -> SchedulerOutput:
-        """The scheduler's next step; ``ahead``: one scheduled before the last step's tokens are read."""
+    def _schedule(self, *, ahead: bool = False) -> tuple[SchedulerOutput, StepBatch]:
+        """The scheduler's next step and its batch; ``ahead``: one scheduled before the last step's tokens are read."""
         out = self.scheduler.schedule()
         if out.is_empty and not ahead:
             waiting, running = self.scheduler.waiting, self.scheduler.running
@@ -756,14 +754,13 @@ class LLM:
             metrics = self._live[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        return out
+        return out, out.batch(self.runner.block_size)
 
     def _launch_ahead(self, committed: SchedulerOutput, pending: PendingStep) -> None:
         """Schedule and launch the step after ``committed`` (advanced, its tokens not read), fed from ``pending``."""
-        out = self._schedule(ahead=True)
+        out, batch = self._schedule(ahead=True)
         if out.is_empty:  # nothing to run ahead (the synchronous path raises if nothing can run at all)
             return
-        batch = out.batch(self.runner.block_size)
         positions, rows = feed_rows(committed, out)
         feed = pending.feed(positions, rows) if positions else None
         self._ahead = (out, batch, self.runner.launch(batch, feed))

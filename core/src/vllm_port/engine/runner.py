@@ -321,11 +321,11 @@ class ModelRunner:
                 self, batch, sampled, finite, logits, captured, lambda: self.step(ids, positions, self.kv_caches, meta, rows),
                 prompt_rows, prompt_logits,
             )  # fmt: skip
-            if self._pinned:  # the ids' copy to the host queued now, behind this step and ahead of the next
-                packed = torch.stack((sampled, finite.to(sampled.dtype)))
-                pending.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                pending.host.copy_(packed, non_blocking=True)
-                pending.copied = torch.Event(device=packed.device)
+            pending.ids_and_flags = torch.stack((sampled, finite.to(sampled.dtype)))
+            if self._pinned:  # the copy to the host queued now, behind this step and ahead of any launched after it
+                host = torch.empty(pending.ids_and_flags.shape, dtype=sampled.dtype, pin_memory=True)
+                host.copy_(pending.ids_and_flags, non_blocking=True)
+                pending.ids_and_flags, pending.copied = host, torch.Event(device=sampled.device)
                 pending.copied.record()
             return pending
 
@@ -333,11 +333,9 @@ class ModelRunner:
         """The tokens of a launched step: its one host synchronisation, then the rare paths (errors, logprobs)."""
         batch, sampled, logits = pending.batch, pending.sampled, pending.logits
         with torch.inference_mode(), blame(self.ops):
-            if pending.copied is not None:  # the step's one host sync: its own copy, not the steps launched after it
+            if pending.copied is not None:  # the step's one host sync waits for its own copy only
                 pending.copied.synchronize()
-                tokens, flags = pending.host.tolist()
-            else:  # the step's one host sync
-                tokens, flags = torch.stack((sampled, pending.finite.to(sampled.dtype))).tolist()
+            tokens, flags = pending.ids_and_flags.tolist()  # (else the one host sync is here)
             vocab = logits.shape[-1]
             if all(flags) and min(tokens) >= 0 and max(tokens) < vocab:
                 result: list[int | TokenError] = tokens
@@ -668,8 +666,9 @@ class PendingStep:
         self.prompt_rows, self.prompt_logits = prompt_rows, prompt_logits
         self.launch = runner.num_launches if runner is not None else 0
         self._result: list[int | TokenError] | None = None
-        #: the sampled ids and finite flags copied to page-locked host memory at launch, and the event after the copy
-        self.host: torch.Tensor | None = None
+        #: ``[2, rows]``: the sampled ids over the finite flags, on the device or (with ``copied``, the event after
+        #: the copy) copied to page-locked host memory at launch
+        self.ids_and_flags: torch.Tensor | None = None
         self.copied: Any = None
 
     @classmethod
@@ -678,11 +677,6 @@ class PendingStep:
         pending = cls(None, None)
         pending._result = result
         return pending
-
-    @property
-    def samples_on_device(self) -> bool:
-        """Its sampled ids are on the device (a step with sampling rows), so the next step can be fed from them."""
-        return self._result is None and self.sampled is not None
 
     def feed(self, positions: list[int], rows: list[int]) -> StepFeed:
         """A feed of the next step's ``positions`` from this step's sampled ``rows``."""
@@ -693,5 +687,5 @@ class PendingStep:
         if self._result is None:
             assert self.runner is not None
             self._result = self.runner._result(self)
-            self.sampled = self.finite = self.logits = self.prompt_logits = self.host = None  # the memory goes back
+            self.sampled = self.finite = self.logits = self.prompt_logits = self.ids_and_flags = None  # memory back
         return self._result

@@ -409,7 +409,7 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    def commit(self, out: SchedulerOutput, batch: StepBatch) -> list[Request]:
+    def commit(self, out: SchedulerOutput, batch: StepBatch) -> None:
         """Advance the step's sequences before its tokens are known (asynchronous scheduling).
 
         Each sequence counts this step's tokens as computed, and each sampling one takes a
@@ -417,14 +417,11 @@ class Scheduler:
         after; ``update(out, tokens, committed=True)`` puts the tokens in the placeholders' place.
         Only for steps without forks (the engine checks: ``SamplingParams.n == 1``); ``batch`` is the step's
         batch as launched.
-
-        :return: the sequences that took a placeholder, in step order (one per sampling row).
         """
         # the step's sampling rows as launched (``batch``): a request ended since (an error in the step before, an
         # abort) no longer tells from its lengths that it samples, and its row still holds its place among them
         rows = set(batch.sample_rows)
         out.committed = [i in rows for i in range(len(out.seqs))]
-        placed = []
         for seq, n, sampling in zip(out.seqs, out.num_new_tokens, out.committed, strict=True):
             if seq.is_finished:  # aborted while the step was scheduled: its row's token will be dropped
                 continue
@@ -433,8 +430,6 @@ class Scheduler:
                 self._register(seq)
             if sampling:
                 seq.append(PLACEHOLDER)
-                placed.append(seq)
-        return placed
 
     def update(
         self, out: SchedulerOutput, sampled: list[int | TokenError], *, committed: bool = False
@@ -447,13 +442,14 @@ class Scheduler:
 
         :return: the sequences that got a token or an error, in step order.
         """
+        noted = out.committed if committed else None  # commit() advanced them and noted the sampling rows
+        if committed and noted is None:
+            raise ValueError("update(committed=True) of a step that commit() did not advance")
         tokens = iter(sampled)
         grown: list[Request] = []
         for i, seq in enumerate(out.seqs):
-            if committed:  # advanced by commit(), which noted the sampling rows
-                if out.committed is None:
-                    raise ValueError("update(committed=True) of a step that commit() did not advance")
-                sampling = out.committed[i]
+            if noted is not None:
+                sampling = noted[i]
             else:
                 sampling = out.samples(i)
                 seq.num_computed_tokens += out.num_new_tokens[i]

@@ -8,10 +8,10 @@ reduction over ``K`` is split across programs too (:func:`_splits`). Each split 
 partial sums ``[SPLIT_K, M, N]`` and counts itself in on its block of outputs; the last to arrive
 adds every split's partials in split order, with the bias and the rounding to the output dtype, and
 resets the count for the next call. One launch (no reduction kernel, whose launch costs a decode
-step more than its work), and results are the same from run to run whichever split arrives last. One row multiplies on vector
-units (``linear_fma`` tiles: products summed per thread, reduced across threads once at the end);
-more rows go through ``tl.dot`` on tensor cores (``linear_dot``), padded to its 16-row minimum (the
-padding costs compute, which is idle here, not bandwidth).
+step more than its work), and results are the same from run to run whichever split arrives last.
+One row multiplies on vector units (``linear_fma`` tiles: products summed per thread, reduced across
+threads once at the end); more rows go through ``tl.dot`` on tensor cores (``linear_dot``), padded to
+its 16-row minimum (the padding costs compute, which is idle here, not bandwidth).
 
 The weight is read through its strides: ``[N, K]`` row-major (``nn.Linear``) is read along ``K``,
 a transposed view (``[K, N]`` storage) along ``N``, both in wide coalesced loads. Inputs with more
