@@ -117,3 +117,10 @@ def test_from_config_builds_the_engine_llm_builds(llama_model, cpu_runtime):
     )
     batch, params = prompts([5, 9, 3], seed=4), SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True)
     assert token_ids(built.generate(batch, params)) == token_ids(direct.generate(batch, params))
+
+
+def test_captured_rows_cover_the_decode_batch_and_small_prefill_steps():
+    """Decode steps of every batch up to max_num_seqs replay graphs, and so do other steps of up to 512 tokens."""
+    assert EngineConfig(max_num_seqs=4, max_num_batched_tokens=2048).captured_rows == config_module.MAX_CAPTURED_TOKENS
+    assert EngineConfig(max_num_seqs=4, max_num_batched_tokens=100).captured_rows == 100
+    assert EngineConfig(max_num_seqs=600, max_num_batched_tokens=2048).captured_rows == 600

@@ -103,6 +103,19 @@ def test_device_samples_fork_process_and_score_as_the_cpu_does(setup, device_run
     assert device.scheduler.pool.num_free == device.scheduler.pool.num_blocks
 
 
+def test_prefill_and_mixed_steps_replay_captured_graphs_on_the_device_as_the_cpu_computes(setup, device_runtime):
+    """A budget of 32 tokens a step chunks the prompts and mixes the chunks with decode rows: every step
+    replays a captured graph (one row per token in paged attention), greedy tokens equal to the CPU's."""
+    if not device_runtime.platform.graph_capture:
+        pytest.skip(f"platform {device_runtime.platform.name!r} has no graph capture")
+    model_dir, batch, params, want = setup
+    llm = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=32)
+    assert llm.captured_batch_sizes[-1] == 32
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want
+    kinds = llm.runner.steps_by_kind
+    assert kinds["prefill replayed"] > 0 and kinds["decode replayed"] > 0 and kinds["eager"] == 0, kinds
+
+
 def test_device_preemption_by_swap_keeps_greedy_output(setup, device_runtime):
     if "pinned_host" not in device_runtime.platform.memory_tiers:
         pytest.skip(f"platform {device_runtime.platform.name!r} has no pinned host tier")
@@ -163,7 +176,7 @@ def test_two_devices_in_tensor_parallel_equal_one(setup, device_runtime):
 
 
 def test_hopper_prefill_serves_the_engine_within_the_contract(tmp_path, device_runtime, monkeypatch):
-    """On sm_90 the CUDA plugin binds its Gluon prefill for bf16 models of head 128. Every call the engine makes
+    """On sm_90 the CUDA plugin binds its Gluon prefill for bf16 models of head 128. Every call the eager engine makes
     (whole prompts, chunks after a cached prefix, decode tokens mixed with a prefill) passes the op's own check
     against the float64 reference. Greedy tokens are not the oracle: in bf16 a near-tie flips on ulp-level
     differences between two correct kernels (it did, at the fifth token of one prompt, with 0.004-0.008 apart)."""
@@ -189,8 +202,9 @@ def test_hopper_prefill_serves_the_engine_within_the_contract(tmp_path, device_r
     model_dir = write_checkpoint(tmp_path / "head128")
     gen = torch.Generator().manual_seed(2)
     batch = [torch.randint(5, 512, (n,), generator=gen).tolist() for n in (300, 129, 40, 1, 200)]
+    # eager: steps of up to 512 tokens replay captured graphs (paged attention), and this batch has no larger one
     llm = LLM(str(model_dir), device=device_runtime, dtype="bfloat16", kv_cache_memory=64 << 20, swap_space=0,
-              max_num_batched_tokens=256)  # fmt: skip
+              max_num_batched_tokens=256, enforce_eager=True)  # fmt: skip
     assert llm.provider_per_op["prefill_attention"] == "gluon_hopper_prefill_attention"
     llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [problem for *_, problem in calls] == [None] * len(calls)

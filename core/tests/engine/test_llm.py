@@ -345,6 +345,44 @@ def test_decode_steps_replay_captured_graphs_where_the_platform_captures(
     assert eager.captured_batch_sizes == [] and token_ids(eager.generate(batch, params)) == want
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("make_step", [None, _flat_step], ids=["model-forward", "flat-graphs"])
+def test_prefill_and_mixed_steps_replay_captured_graphs_as_eager_steps_compute(
+    llama_model, cpu_runtime, alone, monkeypatch, make_step
+):
+    """Steps up to the captured size in tokens replay the graphs, one row per token, and give the eager tokens.
+
+    The budget of 16 tokens chunks the prompts (middle chunks sample nothing) and mixes them with decode
+    rows; prefix hits start a prompt's rows past its cached blocks.
+    """
+    batch, params, want = alone
+    monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
+    llm = make_llm(
+        llama_model, cpu_runtime, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, make_step=make_step
+    )
+    assert llm.captured_batch_sizes == [1, 2, 4, 8, 16]
+    replayed, prefill_calls = [], []
+    runner = llm.runner
+    replay, step = runner._replay, runner.step
+    monkeypatch.setattr(runner, "_replay", lambda b, *a: replayed.append(b) or replay(b, *a))
+
+    def counted_step(input_ids, positions, kv_caches, meta, logits_rows):
+        if not meta.is_decode:  # the graphs call the step as a decode step (paged attention); eager prefill not
+            prefill_calls.append(meta)
+        return step(input_ids, positions, kv_caches, meta, logits_rows)
+
+    monkeypatch.setattr(runner, "step", counted_step)
+    first = llm.generate(batch, params)
+    again = llm.generate(batch, params)  # hits the first round's cached prefixes
+    assert token_ids(first) == token_ids(again) == want
+    assert sum(o.num_cached_tokens for o in again) > 0
+    mixed = [b for b in replayed if not b.is_decode]
+    assert prefill_calls == [] and mixed  # every step replayed, some of them prefill or mixed
+    assert any(len(b.sample_rows) < len(b.query_lens) for b in mixed)  # a middle chunk among them
+    assert any(1 in b.query_lens for b in mixed)  # decode rows beside a prefill chunk
+    assert_pool_empty(llm)
+
+
 def test_interleaved_calls_each_get_their_own_tokens(llama_model, cpu_runtime, alone):
     batch, params, want = alone
     llm = make_llm(llama_model, cpu_runtime)

@@ -217,6 +217,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="build the random model into this directory, or reuse the one there (fp8 weights: DIR-fp8)",
     )
+    parser.add_argument(
+        "--mixed-requests",
+        type=int,
+        default=0,
+        help="also run a mixed workload of this many requests (lognormal lengths around the workload's) and "
+        "report inter-token latency with prefill steps replayed and eager (H200: 1000; default: none)",
+    )
     parser.add_argument("--vllm-python", default=None, help="the python of a vLLM venv (dev/setup-vllm-peer)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for this process")
     parser.add_argument("--seed", type=int, default=0)

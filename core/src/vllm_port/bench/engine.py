@@ -64,6 +64,8 @@ from .engine_workload import (
     step_weight_bytes,
     weights_label,
 )
+from .mixed_load import render as render_mixed
+from .mixed_load import run_mixed
 
 __all__ = [
     "CPU_WORKLOAD",
@@ -357,6 +359,7 @@ def run(
     save_model: str | None = None,
     weights: Sequence[str] | None = None,
     async_scheduling: bool = False,
+    mixed_requests: int = 0,
 ) -> dict[str, Any]:
     """Run the workload through every system asked for; return the results (what ``--json`` writes).
 
@@ -365,7 +368,8 @@ def run(
     ``transformers`` and vLLM run the float one only. Results of the fp8 checkpoint are keyed
     ``"engine (fp8)"``; with float and fp8 weights, ``fp8_over_float_decode`` holds their decode-rate ratios.
     ``save_model``: build the model into this directory unless it already holds one (kept for later
-    runs); the fp8 checkpoint goes to ``save_model + "-fp8"``.
+    runs); the fp8 checkpoint goes to ``save_model + "-fp8"``. ``mixed_requests``: also run the engine on
+    a mixed workload of that many requests (:mod:`.mixed_load`), results under ``"mixed"``.
 
     :raises FlagError: for a ``save_model`` directory that holds another model.
     """
@@ -379,6 +383,7 @@ def run(
         prompts_file.write_text(json.dumps(prompts))
         results: dict[str, Any] = {}
         decode: list[dict[str, Any]] = []
+        mixed: dict[str, Any] | None = None
         load_before = os.getloadavg()[0]
         kw: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
         if enforce_eager:
@@ -399,6 +404,10 @@ def run(
             if v.decode_batches:
                 decode += _decode_rates(path, v, device, step, copy_gbs, **kw)
                 copy_gbs = decode[-1]["copy_gbs"]
+            if mixed_requests and v.weights == "float" and "engine" in systems:
+                mixed = run_mixed(
+                    path, v.vocab_size, v.dtype, mixed_requests, v.prompt_len, v.output_len, device, seed, **kw
+                )
     vllm_rates = [
         results[k]["output_tok_s"] for k in ("vllm", "vllm-all-cores") if "output_tok_s" in results.get(k, {})
     ]
@@ -409,6 +418,7 @@ def run(
         "step": step,
         "results": results,
         "decode": decode,
+        "mixed": mixed,
         "engine_over_best_vllm": ratio,
         "machine": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "load_average_before": load_before,
@@ -543,11 +553,14 @@ def render(result: dict[str, Any]) -> str:
     if "captured_batch_sizes" in engine:
         sizes = engine["captured_batch_sizes"]
         how = (
-            f"replay captured graphs at {len(sizes)} batch sizes ({sizes[0]}..{sizes[-1]})" if sizes else "run eagerly"
+            f"replay captured graphs at {len(sizes)} sizes ({sizes[0]}..{sizes[-1]} rows: sequences of a decode step, "
+            "tokens of a prefill or mixed one)"
+            if sizes
+            else "run eagerly"
         )
         scheduling = "asynchronous" if engine.get("async_scheduling") else "synchronous"
         lines.append(
-            f"\nengine: decode steps {how}; tensor parallel size {engine['tensor_parallel_size']}; {scheduling} scheduling"
+            f"\nengine: steps {how}; tensor parallel size {engine['tensor_parallel_size']}; {scheduling} scheduling"
         )
     experts = result["results"].get("transformers", {}).get("experts_implementation")
     if experts:
@@ -556,6 +569,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"\nengine / faster vLLM configuration: {result['engine_over_best_vllm']:.2f}x")
     if result["decode"]:
         lines += _decode_table(result)
+    if result.get("mixed"):
+        lines += render_mixed(result["mixed"])
     lines += _weights_note(result)
     lines.append(
         f"\nload average before/after: {result['load_average_before']:.2f} / {result['load_average_after']:.2f}"
@@ -666,6 +681,8 @@ def main(args: Any) -> int:
     """``vllm-port bench engine``: run, print the table, write ``--json``. Returns the exit status (2: bad flags)."""
     try:
         w, weights, systems = resolve_flags(args)
+        if getattr(args, "mixed_requests", 0) < 0:
+            raise FlagError(f"--mixed-requests must be 0 (none) or positive, got {args.mixed_requests}")
         if args.threads:
             torch.set_num_threads(args.threads)
         result = run(
@@ -681,6 +698,7 @@ def main(args: Any) -> int:
             args.save_model,
             weights,
             args.async_scheduling,
+            getattr(args, "mixed_requests", 0),
         )
     except FlagError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -93,9 +93,9 @@ class LaunchedRankRunner:
         mine = torch.tensor([counts], dtype=torch.int64, device=self.device)
         return self._communicator.all_gather(mine).min(dim=0).values.tolist()
 
-    def capture_decode(self, max_num_seqs: int, max_model_len: int) -> list[int]:
-        """This rank captures its decode step (:meth:`ModelRunner.capture_decode`); the sizes it captured."""
-        return self._runner.capture_decode(max_num_seqs, max_model_len)
+    def capture_steps(self, max_rows: int, max_model_len: int) -> list[int]:
+        """This rank captures its step (:meth:`ModelRunner.capture_steps`); the sizes it captured."""
+        return self._runner.capture_steps(max_rows, max_model_len)
 
     def execute(self, batch: StepBatch) -> Any:
         """Run the step on this rank's shard; return rank 0's sampled tokens, the same on every rank.

@@ -257,9 +257,13 @@ class LLM:
     :param importer: ``"hf"`` loads ``model`` (a directory) with ``transformers`` and imports it
         (``vllm_port.importer``: docs/importer.md); ``model`` may also be a ``transformers`` module,
         imported as it is. Default ``None``: the core model definitions.
-    :param enforce_eager: never replay captured graphs. By default decode steps are captured as
-        device graphs per batch size on platforms that offer graph capture (the CUDA plugin does;
-        the CPU plugin does not, and there every step runs as it is).
+    :param enforce_eager: never replay captured graphs. By default steps are captured as device
+        graphs per size on platforms that offer graph capture (the CUDA plugin does; the CPU plugin
+        does not, and there every step runs as it is): decode steps of up to ``max_num_seqs``
+        sequences, and prefill or mixed steps of up to
+        :data:`~vllm_port.engine.config.MAX_CAPTURED_TOKENS` tokens (at most
+        ``max_num_batched_tokens``); larger steps run eagerly, where the device's work outweighs
+        the launches.
     :param placement: a placement policy (a ``.toml``/``.json`` file, a mapping or a
         :class:`~vllm_port.placement.PlacementPolicy`): the model's nodes on several platforms,
         run eagerly, without swap space by default (``docs/placement.md``).
@@ -344,11 +348,12 @@ class LLM:
         self.max_model_len = config.max_model_len or longest
         try:
             self.scheduler = _make_scheduler(config, self.runtime, self.runner, self.max_model_len)
-            #: the decode batch sizes replayed from captured graphs (empty: every step eager)
+            #: the step sizes replayed from captured graphs, in rows: sequences of a decode step, tokens of
+            #: any other (empty: every step eager)
             self.captured_batch_sizes = (
                 []
                 if config.enforce_eager or self.placement
-                else self.runner.capture_decode(config.max_num_seqs, self.max_model_len)
+                else self.runner.capture_steps(config.captured_rows, self.max_model_len)
             )
         except BaseException:
             self.close()

@@ -10,10 +10,14 @@ It owns the model, the bound kernels (``runtime.bind``), the paged KV cache and 
    logits of the rows that sample. This is the seam where a compiled step plugs in (``make_step``;
    :func:`flat_step` adapts ``vllm_port.flat``'s models); by default (:func:`default_step`) the
    model's flat graphs with the fusion passes where the platform captures graphs, else
-   ``LlamaModel.forward`` with the bound kernels (:func:`eager_step`). After :meth:`ModelRunner.capture_decode`, decode
-   steps (one token per sequence) replay that step captured as device graphs per batch size
-   (:class:`~vllm_port.flat.capture.DecodeGraphs`) on platforms with graph capture: one launch
-   instead of hundreds, which is what a batch-1 decode step on a GPU is bound by;
+   ``LlamaModel.forward`` with the bound kernels (:func:`eager_step`). After :meth:`ModelRunner.capture_steps`,
+   steps of up to the largest captured size in tokens replay that step captured as device graphs per
+   size (:class:`~vllm_port.flat.capture.DecodeGraphs`) on platforms with graph capture: one launch
+   instead of hundreds, which is what a batch-1 decode step on a GPU is bound by. A decode step is
+   one row per sequence; a prefill or mixed step is one row per token, each row a sequence of its
+   own in ``paged_attention``: the token's sequence's block table, its context ending at the token
+   (the cache holds the step's keys by then). That is causal attention over the cache, what
+   ``prefill_attention`` computes, with no argument that varies between replays;
 4. the bound ``sample`` op on the device, seeds ``seed + step`` per request (a step whose rows
    are all greedy takes the argmax, lowest id on ties: what the op returns for such rows);
 5. reading the sampled ids, with a flag per row saying its logits are finite (computed on the
@@ -25,7 +29,7 @@ vLLM's sampling features cost a step nothing unless one of its requests asks for
 ``top_logprobs`` (of the raw logits) only for the rows in ``batch.logprobs`` and the prompt
 positions in ``batch.prompt_logprobs``; their answers come back in a second transfer that only such
 steps make (a :class:`~.scheduler.StepResult`). A step with prompt logprobs is never replayed from
-a captured graph (it needs more rows' logits than one per sequence).
+a captured graph (its prompt rows' logits come from the eager step).
 
 No answer from non-finite values, and no id outside the vocabulary: a row whose logits hold NaN or
 Inf, or whose sampled id is not in ``[0, vocab_size)``, gets a :class:`~.scheduler.TokenError`
@@ -38,6 +42,7 @@ name the op that produced them; an id outside the vocabulary is blamed on the ``
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -182,8 +187,13 @@ class ModelRunner:
         self.step = make_step(self) if make_step is not None else default_step(self, own_ops=ops is None)
         #: stage host metadata in page-locked memory, so its copy to the device does not wait for it
         self._pinned = "pinned_host" in runtime.platform.memory_tiers
-        #: decode steps captured per batch size (:meth:`capture_decode`), or ``None``: every step eager
+        #: steps captured per size in rows (:meth:`capture_steps`), or ``None``: every step eager
         self.decode_graphs: DecodeGraphs | None = None
+        #: whether prefill and mixed steps replay the captured graphs too (decode steps always do); a benchmark
+        #: turns it off to measure what replaying them gains
+        self.replay_prefill = True
+        #: steps run so far by how: ``"decode replayed"``, ``"prefill replayed"`` (prefill or mixed), ``"eager"``
+        self.steps_by_kind: Counter[str] = Counter()
 
     def _swap_cache(self, swap_space: int) -> Any:
         if not swap_space:
@@ -217,17 +227,19 @@ class ModelRunner:
         if self.swap is not None:
             self.swap.close()
 
-    def capture_decode(self, max_num_seqs: int, max_model_len: int) -> list[int]:
-        """Capture the decode step for batches up to ``max_num_seqs`` over contexts up to ``max_model_len``.
+    def capture_steps(self, max_rows: int, max_model_len: int) -> list[int]:
+        """Capture the step for up to ``max_rows`` rows over contexts up to ``max_model_len``.
 
-        Returns the captured batch sizes: empty where the platform has no graph capture (every
-        step then stays as it is). Capturing runs the step a few times on padding sequences, which
-        write nothing to the cache and read nothing from it.
+        A row is a sequence in a decode step and a token in a prefill or mixed one, so decode steps of up
+        to ``max_rows`` sequences and other steps of up to ``max_rows`` tokens replay the graphs. Returns
+        the captured sizes: empty where the platform has no graph capture (every step then stays as it
+        is). Capturing runs the step a few times on padding rows, which write nothing to the cache and
+        read nothing from it.
         """
         capture = self.runtime.graph_capture()
         if capture is None:
             return []
-        sizes = padded_batch_sizes(max_num_seqs)
+        sizes = padded_batch_sizes(max_rows)
         with torch.inference_mode():
             self.decode_graphs = DecodeGraphs(
                 self._decode_step(sizes[-1]), capture, sizes, -(-max_model_len // self.block_size), self.device
@@ -235,7 +247,7 @@ class ModelRunner:
         return sizes
 
     def _decode_step(self, largest: int) -> Any:
-        """The step function as a decode step: every sequence one token, every row's logits."""
+        """The step function as a decode step: every row one sequence of one token, every row's logits."""
         cu_seqlens = torch.arange(largest + 1, dtype=torch.int32, device=self.device)
         rows = torch.arange(largest, dtype=torch.int64, device=self.device)
 
@@ -248,13 +260,32 @@ class ModelRunner:
 
     def _captured(self, batch: StepBatch) -> bool:
         graphs = self.decode_graphs
-        return (
-            graphs is not None
-            and batch.is_decode
-            and len(batch.query_lens) <= graphs.batch_sizes[-1]
-            and len(batch.sample_rows) == len(batch.query_lens)
-            and not batch.prompt_logprobs
-        )
+        if graphs is None or batch.prompt_logprobs or not (batch.is_decode or self.replay_prefill):
+            return False
+        rows = len(batch.query_lens) if batch.is_decode else len(batch.input_ids)
+        return 0 < rows <= graphs.batch_sizes[-1]
+
+    def _replay(
+        self, batch: StepBatch, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, bool]:
+        """The step's sampling rows' logits from the captured graphs, and whether they are the graph's output buffer.
+
+        A decode step replays its sequences as rows. Any other step replays one row per token: row ``t``
+        of sequence ``s`` attends through ``s``'s block table to the ``seq_lens[s] - (tokens of s after t)``
+        cached tokens ending at ``t``; the cache write before attention put the step's keys there.
+        """
+        graphs = self.decode_graphs
+        if batch.is_decode:
+            logits = graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            if len(batch.sample_rows) == len(batch.query_lens):  # rows are every sequence, in order
+                return logits, True
+            return logits[rows], False
+        ends = meta.cu_seqlens_q[1:]
+        tokens = torch.arange(len(batch.input_ids), dtype=ends.dtype, device=ends.device)
+        seq = torch.searchsorted(ends, tokens, right=True)  # each token's sequence
+        seq_lens = meta.seq_lens[seq] - (ends[seq] - 1 - tokens)
+        logits = graphs(ids, positions, meta.slot_mapping, meta.block_tables[seq], seq_lens)
+        return logits[rows], False
 
     # --- one step ----------------------------------------------------------------------------------
 
@@ -286,9 +317,11 @@ class ModelRunner:
                 feed.fill(ids, self._upload)
             prompt_rows = self._prompt_rows(batch) if batch.prompt_logprobs else None
             captured = self._captured(batch)
+            kind = "decode replayed" if batch.is_decode else "prefill replayed"
+            self.steps_by_kind[kind if captured else "eager"] += 1
             prompt_logits = None
-            if captured:  # rows are every sequence, in order
-                logits = self.decode_graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            if captured:
+                logits, captured = self._replay(batch, ids, positions, meta, rows)
             elif prompt_rows is not None:  # the prompt positions whose logprobs are asked for, after the sampling rows
                 both = self.step(ids, positions, self.kv_caches, meta, torch.cat((rows, prompt_rows[0])))
                 logits, prompt_logits = both[: len(rows)], both[len(rows) :]

@@ -194,8 +194,8 @@ def _worker(
         swap_blocks = runner.swap_pool.num_blocks if runner.swap_pool is not None else 0
         outbox.put(("ready", rank, (runner.pool.num_blocks, swap_blocks, runner.provider_per_op)))
         while (batch := inbox.get()) is not None:
-            if isinstance(batch, tuple):  # ("capture", max_num_seqs, max_model_len)
-                outbox.put(("captured", rank, runner.capture_decode(*batch[1:])))
+            if isinstance(batch, tuple):  # ("capture", max_rows, max_model_len)
+                outbox.put(("captured", rank, runner.capture_steps(*batch[1:])))
                 continue
             sampled = runner.execute(batch)
             if rank == 0 and batch.query_lens:
@@ -296,10 +296,10 @@ class TensorParallelRunner:
                 raise VllmPortError(f"tensor parallel: rank {rank} sent {got!r} where {kind!r} was expected")
             return value
 
-    def capture_decode(self, max_num_seqs: int, max_model_len: int) -> list[int]:
-        """Every rank captures its decode step (:meth:`ModelRunner.capture_decode`); the sizes captured."""
+    def capture_steps(self, max_rows: int, max_model_len: int) -> list[int]:
+        """Every rank captures its step (:meth:`ModelRunner.capture_steps`); the sizes captured."""
         for inbox in self._inboxes:
-            inbox.put(("capture", max_num_seqs, max_model_len))
+            inbox.put(("capture", max_rows, max_model_len))
         sizes = [self._receive("captured", START_TIMEOUT_S) for _ in range(self.world_size)]
         return min(sizes, key=len)
 
