@@ -11,7 +11,7 @@ import pytest
 from llm_helpers import assert_pool_empty, hf_greedy, make_llm, prompts, token_ids
 
 from vllm_port import SamplingParams
-from vllm_port.engine.runner import flat_step
+from vllm_port.engine.runner import REPLAY_READ_FACTOR, flat_step
 from vllm_port.errors import ModelLoadError
 from vllm_port.flat import FlatModel
 from vllm_port.graph_capture import GraphCapture
@@ -381,6 +381,31 @@ def test_prefill_and_mixed_steps_replay_captured_graphs_as_eager_steps_compute(
     assert any(len(b.sample_rows) < len(b.query_lens) for b in mixed)  # a middle chunk among them
     assert any(1 in b.query_lens for b in mixed)  # decode rows beside a prefill chunk
     assert_pool_empty(llm)
+
+
+def test_a_prefill_step_reading_more_context_than_its_budget_runs_eagerly(llama_model, cpu_runtime, alone, monkeypatch):
+    """One row per token reads each token's context again: past REPLAY_READ_FACTOR times the model's bytes (in
+    keys and values) the step runs eagerly, through the prefill kernel; smaller chunks and decode steps still replay."""
+    import json
+    import math
+
+    from safetensors import safe_open
+
+    batch, params, want = alone
+    monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
+    llm = make_llm(llama_model, cpu_runtime, max_num_seqs=4, max_num_batched_tokens=16, block_size=4)
+    config = json.loads((llama_model / "config.json").read_text())
+    with safe_open(str(llama_model / "model.safetensors"), "pt") as f:
+        weights = sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # float32
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head * 4
+    # the model's tensors: its weights, and its rotary table (a few percent here)
+    factor = REPLAY_READ_FACTOR
+    assert factor * weights // token <= llm.runner.max_replayed_context <= 1.05 * factor * weights // token
+    llm.runner.max_replayed_context = 150  # a first chunk of 16 tokens reads 136, one ending at 20 reads 200
+    assert token_ids(llm.generate(batch, params)) == want
+    kinds = llm.runner.steps_by_kind
+    assert kinds["eager"] > 0 and kinds["prefill replayed"] > 0 and kinds["decode replayed"] > 0, kinds
 
 
 def test_interleaved_calls_each_get_their_own_tokens(llama_model, cpu_runtime, alone):

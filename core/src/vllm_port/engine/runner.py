@@ -56,7 +56,24 @@ from ..ops import BoundOps
 from ..ops.debug import CheckedOp, blame, provider_fault, scrutinize
 from .scheduler import StepBatch, StepResult, TokenError, TopLogprobs
 
-__all__ = ["ModelRunner", "PendingStep", "StepFeed", "StepFunction", "default_step", "eager_step", "flat_step"]
+__all__ = [
+    "REPLAY_READ_FACTOR",
+    "ModelRunner",
+    "PendingStep",
+    "StepFeed",
+    "StepFunction",
+    "default_step",
+    "eager_step",
+    "flat_step",
+]
+
+#: A replayed prefill or mixed step's rows may read this many times the model's bytes in keys and values. One
+#: row per token reads each token's context anew, where the prefill kernel reads a tile of keys once for many
+#: queries; rows of one sequence run side by side, so most of those reads should hit the L2 cache. The factor is
+#: an estimate, not a measurement: a chunk of 512 tokens ending at 1,024 (Llama-3-8B's rows read 3.2x its
+#: weights) still replays, one ending at 4,096 (16x) runs eagerly. ``dev/experiments/probe_token_rows.py``
+#: times both ways on a GPU.
+REPLAY_READ_FACTOR = 4
 
 #: ``step(input_ids, positions, kv_caches, meta, logits_rows) -> logits [len(logits_rows), vocab]``:
 #: one forward over the packed tokens of a step, with the logits of the rows in ``logits_rows``.
@@ -192,6 +209,9 @@ class ModelRunner:
         #: whether prefill and mixed steps replay the captured graphs too (decode steps always do); a benchmark
         #: turns it off to measure what replaying them gains
         self.replay_prefill = True
+        #: the most context a replayed prefill or mixed step may read, in tokens summed over its tokens (set by
+        #: :meth:`capture_steps` from :data:`REPLAY_READ_FACTOR`); a step past it (a long prompt's chunk) runs eagerly
+        self.max_replayed_context = 0
         #: steps run so far by how: ``"decode replayed"``, ``"prefill replayed"`` (prefill or mixed), ``"eager"``
         self.steps_by_kind: Counter[str] = Counter()
 
@@ -240,6 +260,8 @@ class ModelRunner:
         if capture is None:
             return []
         sizes = padded_batch_sizes(max_rows)
+        token_bytes = sum(c[0, 0].numel() * c.element_size() for layer in self.kv_caches for c in layer)
+        self.max_replayed_context = REPLAY_READ_FACTOR * _tensor_bytes(self.model) // max(token_bytes, 1)
         with torch.inference_mode():
             self.decode_graphs = DecodeGraphs(
                 self._decode_step(sizes[-1]), capture, sizes, -(-max_model_len // self.block_size), self.device
@@ -262,8 +284,12 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is None or batch.prompt_logprobs or not (batch.is_decode or self.replay_prefill):
             return False
-        rows = len(batch.query_lens) if batch.is_decode else len(batch.input_ids)
-        return 0 < rows <= graphs.batch_sizes[-1]
+        if batch.is_decode:
+            return len(batch.query_lens) <= graphs.batch_sizes[-1]
+        # each token's context: a sequence of n new tokens over seq_len cached ones reads seq_len - n + 1 .. seq_len
+        lens = zip(batch.query_lens, batch.seq_lens, strict=True)
+        context = sum(n * seq_len - n * (n - 1) // 2 for n, seq_len in lens)
+        return len(batch.input_ids) <= graphs.batch_sizes[-1] and context <= self.max_replayed_context
 
     def _replay(
         self, batch: StepBatch, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor
@@ -608,6 +634,33 @@ class ModelRunner:
         if self._pinned:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
+
+
+def _tensor_bytes(model: Any) -> int:
+    """Bytes of the tensors a model holds: its own, its layers' and its modules' (each tensor once)."""
+    seen: dict[int, int] = {}
+    visited: set[int] = set()
+
+    def add(value: Any) -> None:
+        if id(value) in visited:
+            return
+        visited.add(id(value))
+        if isinstance(value, torch.Tensor):
+            seen[value.data_ptr()] = value.numel() * value.element_size()
+        elif isinstance(value, torch.nn.Module):
+            for t in (*value.parameters(), *value.buffers()):
+                add(t)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            for v in vars(value).values():
+                if isinstance(v, (torch.Tensor, torch.nn.Module, list, tuple)):
+                    add(v)
+
+    for value in vars(model).values() if hasattr(model, "__dict__") else ():
+        add(value)
+    return sum(seen.values())
 
 
 def _top_logprobs(
