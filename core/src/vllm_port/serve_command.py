@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_flags import add_device_flag, add_model_dtype_flag, add_plugins_flag
+from .cli_flags import add_device_flag, add_engine_flags, add_model_dtype_flag, add_plugins_flag, engine_kwargs
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -33,8 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the name clients pass as 'model' (repeat for aliases; default: MODEL_DIR as given, or 'bundled')",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="requests running at once")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="N", help="longest context (prompt+output)")
     parser.add_argument(
         "--max-waiting",
         type=int,
@@ -42,15 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests that may wait beyond the running ones; more are answered 503 with Retry-After (default 1024)",
     )
-    parser.add_argument(
-        "--kv-cache-memory", type=float, default=None, metavar="X", help="KV-cache budget: a fraction (0, 1] or bytes"
-    )
     parser.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use")
     parser.add_argument("--seed", type=int, default=None, help="seeds requests that give no seed")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_device_flag(parser, "platform to run on (default: the best available)", metavar="NAME")
     add_model_dtype_flag(parser)
     add_plugins_flag(parser)
+    add_engine_flags(parser)  # vLLM's: --max-num-batched-tokens, --async-scheduling, --enforce-eager, ...
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,17 +66,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_waiting < 0:
         print(f"error: --max-waiting is {args.max_waiting}; it must be 0 or more", file=sys.stderr)
         return 2
-    kv = args.kv_cache_memory
     try:
         llm = LLM(
             args.model,
             device=args.device or "auto",
             dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            kv_cache_memory=int(kv) if kv is not None and kv > 1 else kv,
-            max_num_seqs=args.max_num_seqs,
             seed=args.seed,
             plugins=args.plugins,
+            **engine_kwargs(args),
         )
         template = ChatTemplate.from_file(args.chat_template, llm.model_dir) if args.chat_template else None
     except (VllmPortError, ValueError) as exc:  # ChatTemplateError is a ValueError

@@ -377,3 +377,44 @@ def test_a_model_without_a_chat_template_is_a_400_until_one_is_given(cpu_runtime
         answered = http.post("/v1/chat/completions", json=body)
     assert answered.status_code == 200, answered.text
     assert answered.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode("Where is Mr Darcy?\n"))
+
+
+@pytest.mark.slow
+def test_an_asynchronously_scheduled_server_answers_what_the_synchronous_engine_does(cpu_runtime, llm) -> None:
+    """``vllm-port serve --async-scheduling``'s engine behind the app, driven in process by the official client:
+    greedy and seeded completions, several at once and streamed, equal to the synchronous ``LLM``'s; the KV
+    pool is whole again afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from vllm_port.cli import build_parser
+    from vllm_port.cli_flags import engine_kwargs
+    from vllm_port.serve.app import build_app
+    from vllm_port.serve.async_engine import AsyncEngine
+
+    flags = engine_kwargs(build_parser().parse_args(["serve", "--async-scheduling", "--max-num-seqs", "4"]))
+    ahead = LLM(device=cpu_runtime, kv_cache_memory=2 << 20, **flags)
+    fed = []
+    launch = ahead.runner.launch
+    ahead.runner.launch = lambda batch, feed=None: fed.append(feed is not None) or launch(batch, feed)
+    prompts = [PROMPT, "The sea", "Mr Bennet said", "It was"]
+    greedy = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=9)
+    want_seeded = llm.generate(PROMPT, seeded)[0].outputs[0].text
+    with TestClient(build_app(AsyncEngine(ahead, 4), ["bundled"])) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+        def complete(prompt: str) -> str:
+            return (
+                client.completions.create(model="bundled", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+            )
+
+        with ThreadPoolExecutor(4) as pool:  # in flight together: one batch, steps launched ahead
+            assert list(pool.map(complete, prompts)) == greedy
+        streamed = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == greedy[0]
+        got = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=9, temperature=0.8, seed=7)
+        assert got.choices[0].text == want_seeded
+    assert any(fed)  # steps launched before the last one's tokens were read, their inputs fed on the device
+    assert ahead.scheduler.pool.num_free == ahead.scheduler.pool.num_blocks

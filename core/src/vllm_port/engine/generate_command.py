@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from ..cli_flags import add_device_flag, add_json_flag, add_model_dtype_flag
+from ..cli_flags import add_device_flag, add_engine_flags, add_json_flag, add_model_dtype_flag, engine_kwargs
 from ..errors import VllmPortError
 
 __all__ = ["DEFAULT_PROMPT", "HELP", "INTERRUPTED", "add_arguments", "run"]
@@ -102,9 +102,7 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             device=args.device or "auto",
             dtype=args.dtype,
-            tensor_parallel_size=args.tensor_parallel_size,
-            distributed_executor_backend=args.distributed_executor_backend,
-            async_scheduling=args.async_scheduling,
+            **engine_kwargs(args),
         )
     except (VllmPortError, ValueError) as exc:
         progress.end(f"error: {exc}")
@@ -218,19 +216,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
     add_device_flag(parser, "platform to run on (default: the best available)", metavar="NAME")
     add_model_dtype_flag(parser)
-    parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, metavar="N", help="ranks to shard the model over (default 1)"
-    )
-    parser.add_argument(
-        "--distributed-executor-backend",
-        choices=("mp", "external_launcher"),
-        default=None,
-        help="mp (default): spawn the ranks here; external_launcher: this process is one rank torchrun started "
-        "(every rank prints the same outputs; docs/multi-node.md)",
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="schedule each step before reading the last one's tokens (the same outputs; one device)",
-    )
+    add_engine_flags(parser)  # vLLM's: --max-num-batched-tokens, --tensor-parallel-size, --async-scheduling, ...
     add_json_flag(parser, "print one JSON object with outputs, platform, providers")
