@@ -36,3 +36,13 @@ def test_absent_flags_leave_the_engine_its_defaults(command):
     assert engine_kwargs(build_parser().parse_args([command, "--kv-cache-memory", "4e6"])) == {
         "kv_cache_memory": 4_000_000
     }
+
+
+def test_serve_refuses_launched_ranks_by_leaving_the_flag_out(capsys):
+    """The server is one process: ranks that torchrun launched would each need the same requests."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--distributed-executor-backend", "external_launcher"])
+    assert "--distributed-executor-backend" in capsys.readouterr().err
+    assert engine_kwargs(build_parser().parse_args(["generate", "--distributed-executor-backend", "mp"])) == {
+        "distributed_executor_backend": "mp"
+    }

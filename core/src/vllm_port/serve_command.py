@@ -12,7 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_flags import add_device_flag, add_engine_flags, add_model_dtype_flag, add_plugins_flag, engine_kwargs
+from .cli_flags import (
+    ENGINE_FLAGS,
+    add_device_flag,
+    add_engine_flags,
+    add_model_dtype_flag,
+    add_plugins_flag,
+    engine_kwargs,
+)
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -46,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_flag(parser, "platform to run on (default: the best available)", metavar="NAME")
     add_model_dtype_flag(parser)
     add_plugins_flag(parser)
-    add_engine_flags(parser)  # vLLM's: --max-num-batched-tokens, --async-scheduling, --enforce-eager, ...
+    # vLLM's: --max-num-batched-tokens, --async-scheduling, --enforce-eager, ...; not external_launcher: the server
+    # runs in one process, and launched ranks would each need the same requests (docs/multi-node.md)
+    add_engine_flags(parser, *(f for f in ENGINE_FLAGS if f != "distributed_executor_backend"))
 
 
 def run(args: argparse.Namespace) -> int:

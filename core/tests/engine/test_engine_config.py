@@ -124,3 +124,5 @@ def test_captured_rows_cover_the_decode_batch_and_small_prefill_steps():
     assert EngineConfig(max_num_seqs=4, max_num_batched_tokens=2048).captured_rows == config_module.MAX_CAPTURED_TOKENS
     assert EngineConfig(max_num_seqs=4, max_num_batched_tokens=100).captured_rows == 100
     assert EngineConfig(max_num_seqs=600, max_num_batched_tokens=2048).captured_rows == 600
+    # decode steps of 600 sequences replay; prefill and mixed steps still of 512 tokens at most
+    assert EngineConfig(max_num_seqs=600, max_num_batched_tokens=2048).replayed_prefill_tokens == 512

@@ -360,7 +360,7 @@ def test_prefill_and_mixed_steps_replay_captured_graphs_as_eager_steps_compute(
     llm = make_llm(
         llama_model, cpu_runtime, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, make_step=make_step
     )
-    assert llm.captured_batch_sizes == [1, 2, 4, 8, 16]
+    assert llm.captured_batch_sizes == [1, 2, 4, 8, 16] and llm.runner.max_replayed_tokens == 16
     replayed, prefill_calls = [], []
     runner = llm.runner
     replay, step = runner._replay, runner.step

@@ -681,8 +681,14 @@ def main(args: Any) -> int:
     """``vllm-port bench engine``: run, print the table, write ``--json``. Returns the exit status (2: bad flags)."""
     try:
         w, weights, systems = resolve_flags(args)
-        if getattr(args, "mixed_requests", 0) < 0:
+        mixed = getattr(args, "mixed_requests", 0)
+        if mixed < 0:
             raise FlagError(f"--mixed-requests must be 0 (none) or positive, got {args.mixed_requests}")
+        if mixed and (args.enforce_eager or args.tensor_parallel_size != 1):
+            raise FlagError(
+                "--mixed-requests compares prefill steps replayed from captured graphs with eager ones in one process: "
+                "drop --enforce-eager and --tensor-parallel-size, or --mixed-requests"
+            )
         if args.threads:
             torch.set_num_threads(args.threads)
         result = run(

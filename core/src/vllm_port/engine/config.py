@@ -119,10 +119,16 @@ class EngineConfig:
             )
 
     @property
+    def replayed_prefill_tokens(self) -> int:
+        """The most tokens a prefill or mixed step replaying captured graphs holds: :data:`MAX_CAPTURED_TOKENS`,
+        at most ``max_num_batched_tokens``."""
+        return min(self.max_num_batched_tokens, MAX_CAPTURED_TOKENS)
+
+    @property
     def captured_rows(self) -> int:
         """The largest step captured as graphs, in rows: ``max_num_seqs`` sequences of a decode step, or
-        :data:`MAX_CAPTURED_TOKENS` tokens (at most ``max_num_batched_tokens``) of any other step."""
-        return max(self.max_num_seqs, min(self.max_num_batched_tokens, MAX_CAPTURED_TOKENS))
+        :attr:`replayed_prefill_tokens` tokens of any other step."""
+        return max(self.max_num_seqs, self.replayed_prefill_tokens)
 
     @property
     def imports(self) -> bool:

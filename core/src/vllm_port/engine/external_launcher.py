@@ -93,9 +93,9 @@ class LaunchedRankRunner:
         mine = torch.tensor([counts], dtype=torch.int64, device=self.device)
         return self._communicator.all_gather(mine).min(dim=0).values.tolist()
 
-    def capture_steps(self, max_rows: int, max_model_len: int) -> list[int]:
+    def capture_steps(self, max_rows: int, max_model_len: int, max_prefill_tokens: int | None = None) -> list[int]:
         """This rank captures its step (:meth:`ModelRunner.capture_steps`); the sizes it captured."""
-        return self._runner.capture_steps(max_rows, max_model_len)
+        return self._runner.capture_steps(max_rows, max_model_len, max_prefill_tokens)
 
     def execute(self, batch: StepBatch) -> Any:
         """Run the step on this rank's shard; return rank 0's sampled tokens, the same on every rank.

@@ -353,7 +353,7 @@ class LLM:
             self.captured_batch_sizes = (
                 []
                 if config.enforce_eager or self.placement
-                else self.runner.capture_steps(config.captured_rows, self.max_model_len)
+                else self.runner.capture_steps(config.captured_rows, self.max_model_len, config.replayed_prefill_tokens)
             )
         except BaseException:
             self.close()
@@ -1240,7 +1240,10 @@ def _utilization_budget(config: EngineConfig, runtime: Runtime, model: _OpenedMo
     else:  # imported, so loaded already: its tensors' bytes, which the free memory no longer counts
         weights = _module_bytes(model.imported)
         free += weights
-    activations = activation_peak_bytes(model.config, itemsize, config.max_num_batched_tokens, config.max_num_seqs)
+    # a captured step holds the logits of every row it replays (up to captured_rows)
+    captures = runtime.platform.graph_capture and not (config.enforce_eager or config.places)
+    rows = config.captured_rows if captures else config.max_num_seqs
+    activations = activation_peak_bytes(model.config, itemsize, config.max_num_batched_tokens, rows)
     host = runtime.platform.device_type == "cpu"
     where = "host memory" if host else f"platform {runtime.platform.name!r}'s device"
     return memory_utilization_budget(config.gpu_memory_utilization, free, total, weights, activations, where)

@@ -212,6 +212,8 @@ class ModelRunner:
         #: the most context a replayed prefill or mixed step may read, in tokens summed over its tokens (set by
         #: :meth:`capture_steps` from :data:`REPLAY_READ_FACTOR`); a step past it (a long prompt's chunk) runs eagerly
         self.max_replayed_context = 0
+        #: the most tokens a replayed prefill or mixed step may hold (set by :meth:`capture_steps`)
+        self.max_replayed_tokens = 0
         #: steps run so far by how: ``"decode replayed"``, ``"prefill replayed"`` (prefill or mixed), ``"eager"``
         self.steps_by_kind: Counter[str] = Counter()
 
@@ -247,11 +249,12 @@ class ModelRunner:
         if self.swap is not None:
             self.swap.close()
 
-    def capture_steps(self, max_rows: int, max_model_len: int) -> list[int]:
+    def capture_steps(self, max_rows: int, max_model_len: int, max_prefill_tokens: int | None = None) -> list[int]:
         """Capture the step for up to ``max_rows`` rows over contexts up to ``max_model_len``.
 
         A row is a sequence in a decode step and a token in a prefill or mixed one, so decode steps of up
-        to ``max_rows`` sequences and other steps of up to ``max_rows`` tokens replay the graphs. Returns
+        to ``max_rows`` sequences and other steps of up to ``max_prefill_tokens`` tokens (default and at
+        most ``max_rows``) replay the graphs. Returns
         the captured sizes: empty where the platform has no graph capture (every step then stays as it
         is). Capturing runs the step a few times on padding rows, which write nothing to the cache and
         read nothing from it.
@@ -260,6 +263,7 @@ class ModelRunner:
         if capture is None:
             return []
         sizes = padded_batch_sizes(max_rows)
+        self.max_replayed_tokens = min(max_rows, max_rows if max_prefill_tokens is None else max_prefill_tokens)
         token_bytes = sum(c[0, 0].numel() * c.element_size() for layer in self.kv_caches for c in layer)
         self.max_replayed_context = REPLAY_READ_FACTOR * _tensor_bytes(self.model) // max(token_bytes, 1)
         with torch.inference_mode():
@@ -286,10 +290,11 @@ class ModelRunner:
             return False
         if batch.is_decode:
             return len(batch.query_lens) <= graphs.batch_sizes[-1]
-        # each token's context: a sequence of n new tokens over seq_len cached ones reads seq_len - n + 1 .. seq_len
+        # the prefill rows' contexts: n > 1 new tokens over seq_len cached ones read seq_len - n + 1 .. seq_len
+        # (a decode row reads its context once either way)
         lens = zip(batch.query_lens, batch.seq_lens, strict=True)
-        context = sum(n * seq_len - n * (n - 1) // 2 for n, seq_len in lens)
-        return len(batch.input_ids) <= graphs.batch_sizes[-1] and context <= self.max_replayed_context
+        context = sum(n * seq_len - n * (n - 1) // 2 for n, seq_len in lens if n > 1)
+        return len(batch.input_ids) <= self.max_replayed_tokens and context <= self.max_replayed_context
 
     def _replay(
         self, batch: StepBatch, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor
@@ -303,7 +308,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if batch.is_decode:
             logits = graphs(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
-            if len(batch.sample_rows) == len(batch.query_lens):  # rows are every sequence, in order
+            if batch.sample_rows == list(range(len(batch.query_lens))):  # rows are every sequence, in order
                 return logits, True
             return logits[rows], False
         ends = meta.cu_seqlens_q[1:]

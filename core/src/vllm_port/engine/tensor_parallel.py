@@ -194,7 +194,7 @@ def _worker(
         swap_blocks = runner.swap_pool.num_blocks if runner.swap_pool is not None else 0
         outbox.put(("ready", rank, (runner.pool.num_blocks, swap_blocks, runner.provider_per_op)))
         while (batch := inbox.get()) is not None:
-            if isinstance(batch, tuple):  # ("capture", max_rows, max_model_len)
+            if isinstance(batch, tuple):  # ("capture", max_rows, max_model_len, max_prefill_tokens)
                 outbox.put(("captured", rank, runner.capture_steps(*batch[1:])))
                 continue
             sampled = runner.execute(batch)
@@ -296,10 +296,10 @@ class TensorParallelRunner:
                 raise VllmPortError(f"tensor parallel: rank {rank} sent {got!r} where {kind!r} was expected")
             return value
 
-    def capture_steps(self, max_rows: int, max_model_len: int) -> list[int]:
+    def capture_steps(self, max_rows: int, max_model_len: int, max_prefill_tokens: int | None = None) -> list[int]:
         """Every rank captures its step (:meth:`ModelRunner.capture_steps`); the sizes captured."""
         for inbox in self._inboxes:
-            inbox.put(("capture", max_rows, max_model_len))
+            inbox.put(("capture", max_rows, max_model_len, max_prefill_tokens))
         sizes = [self._receive("captured", START_TIMEOUT_S) for _ in range(self.world_size)]
         return min(sizes, key=len)
 
