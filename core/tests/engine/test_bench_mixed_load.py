@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from calling_capture import CallingCapture
 
 from vllm_port.bench.mixed_load import mixed_lengths, render, run_mixed
-from vllm_port.graph_capture import GraphCapture
-
-
-class _CallingCapture(GraphCapture):
-    """Graph capture's stand-in on CPU: a replay calls the captured step again."""
-
-    def capture(self, step, warmup=2):
-        for _ in range(warmup):
-            step()
-        return step
 
 
 def test_lengths_are_long_tailed_bounded_and_repeat_with_the_seed():
@@ -28,7 +19,7 @@ def test_lengths_are_long_tailed_bounded_and_repeat_with_the_seed():
 
 @pytest.mark.slow
 def test_both_runs_generate_every_token_and_count_their_steps(llama_model, cpu_runtime, monkeypatch):
-    monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
+    monkeypatch.setattr(cpu_runtime, "graph_capture", CallingCapture)
     mixed = run_mixed(
         llama_model, 512, "float32", 12, 24, 8, cpu_runtime, max_num_seqs=4, max_num_batched_tokens=16, block_size=4
     )

@@ -8,13 +8,13 @@ after being preempted (recompute here; swap in ``test_reclaimer_plugins.py``).
 from __future__ import annotations
 
 import pytest
+from calling_capture import CallingCapture
 from llm_helpers import assert_pool_empty, hf_greedy, make_llm, prompts, token_ids
 
 from vllm_port import SamplingParams
 from vllm_port.engine.runner import REPLAY_READ_FACTOR, flat_step
 from vllm_port.errors import ModelLoadError
 from vllm_port.flat import FlatModel
-from vllm_port.graph_capture import GraphCapture
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -307,17 +307,6 @@ def test_the_step_function_is_a_seam(llama_model, cpu_runtime, alone):
     assert True in calls and False in calls
 
 
-class _CallingCapture(GraphCapture):
-    """Graph capture's stand-in on CPU: a replay calls the captured step again (what a replay computes)."""
-
-    name = "calling capture"
-
-    def capture(self, step, warmup=2):
-        for _ in range(warmup):
-            step()
-        return step
-
-
 def _flat_step(runner):  # what default_step gives on platforms that capture graphs
     return flat_step(FlatModel(runner.model, runner.runtime, compile=False, block_size=runner.block_size))
 
@@ -329,7 +318,7 @@ def test_decode_steps_replay_captured_graphs_where_the_platform_captures(
 ):
     batch, params, want = alone
     assert make_llm(llama_model, cpu_runtime).captured_batch_sizes == []  # the CPU plugin captures nothing
-    monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
+    monkeypatch.setattr(cpu_runtime, "graph_capture", CallingCapture)
     llm = make_llm(
         llama_model, cpu_runtime, max_num_seqs=12, max_num_batched_tokens=8, block_size=4, make_step=make_step
     )
@@ -356,7 +345,7 @@ def test_prefill_and_mixed_steps_replay_captured_graphs_as_eager_steps_compute(
     rows; prefix hits start a prompt's rows past its cached blocks.
     """
     batch, params, want = alone
-    monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
+    monkeypatch.setattr(cpu_runtime, "graph_capture", CallingCapture)
     llm = make_llm(
         llama_model, cpu_runtime, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, make_step=make_step
     )
@@ -392,7 +381,7 @@ def test_a_prefill_step_reading_more_context_than_its_budget_runs_eagerly(llama_
     from safetensors import safe_open
 
     batch, params, want = alone
-    monkeypatch.setattr(cpu_runtime, "graph_capture", _CallingCapture)
+    monkeypatch.setattr(cpu_runtime, "graph_capture", CallingCapture)
     llm = make_llm(llama_model, cpu_runtime, max_num_seqs=4, max_num_batched_tokens=16, block_size=4)
     config = json.loads((llama_model / "config.json").read_text())
     with safe_open(str(llama_model / "model.safetensors"), "pt") as f:

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from vllm_port.flat import StepInputs
-from vllm_port.graph_capture import GraphCapture
 
 
 @functools.cache
@@ -94,18 +91,3 @@ def assert_fp32_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
     tol = linear.tolerances[torch.float32]
     torch.testing.assert_close(got.float(), want, atol=tol.atol, rtol=tol.rtol)
-
-
-class CallingCapture(GraphCapture):
-    """Graph capture's stand-in on CPU: "replaying" calls the step again (what a replay computes)."""
-
-    name = "calling capture (CPU stand-in)"
-
-    def __init__(self) -> None:
-        self.captured: list[Callable[[], Any]] = []
-
-    def capture(self, step, warmup=2):
-        for _ in range(warmup):
-            step()
-        self.captured.append(step)
-        return step

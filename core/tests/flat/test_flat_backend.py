@@ -7,7 +7,8 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 import torch._dynamo
-from paged_harness import CallingCapture, Conversation, assert_fp32_close
+from calling_capture import CallingCapture
+from paged_harness import Conversation, assert_fp32_close
 
 from vllm_port import flat
 from vllm_port.flat.backend import VllmPortBackend

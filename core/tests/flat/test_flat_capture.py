@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_harness import CallingCapture, Conversation
+from calling_capture import CallingCapture
+from paged_harness import Conversation
 
 import vllm_port
 from vllm_port.flat.capture import DecodeGraphs, padded_batch_sizes

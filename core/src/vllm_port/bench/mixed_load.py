@@ -47,6 +47,11 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def _spread(values: Sequence[int]) -> list[float]:
+    """``[min, median, max]``."""
+    return [min(values), _percentile(values, 50), max(values)]
+
+
 def _one_run(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -118,14 +123,12 @@ def run_mixed(
             runs[name] = _one_run(llm, prompts, params)
         return {
             "num_requests": num_requests,
-            "prompt_tokens": [min(p for p, _ in lengths), sorted(p for p, _ in lengths)[len(lengths) // 2],
-                              max(p for p, _ in lengths)],
-            "output_tokens": [min(o for _, o in lengths), sorted(o for _, o in lengths)[len(lengths) // 2],
-                              max(o for _, o in lengths)],
+            "prompt_tokens": _spread([p for p, _ in lengths]),
+            "output_tokens": _spread([o for _, o in lengths]),
             "captured_batch_sizes": llm.captured_batch_sizes,
             "max_num_batched_tokens": llm.scheduler.config.max_num_batched_tokens,
             "runs": runs,
-        }  # fmt: skip
+        }
     finally:
         llm.close()
 
