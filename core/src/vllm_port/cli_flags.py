@@ -109,6 +109,10 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "--tensor-parallel-size",
         dict(type=int, metavar="N", help="ranks to shard the model over (default 1)"),
     ),
+    "pipeline_parallel_size": (
+        "--pipeline-parallel-size",
+        dict(type=int, metavar="N", help="stages to split the model's layers into, one rank each (default 1)"),
+    ),
     "distributed_executor_backend": (
         "--distributed-executor-backend",
         dict(
@@ -121,11 +125,15 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: vLLM's short spellings
+_SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+
+
 def add_engine_flags(parser: argparse.ArgumentParser, *fields: str) -> None:
     """vLLM's engine flags for ``fields`` (keys of :data:`ENGINE_FLAGS`; all when none are named), default absent."""
     for field in fields or ENGINE_FLAGS:
         flag, options = ENGINE_FLAGS[field]
-        names = (flag, "-tp") if field == "tensor_parallel_size" else (flag,)
+        names = (flag, _SHORT[field]) if field in _SHORT else (flag,)
         parser.add_argument(*names, dest=field, default=None, **options)
 
 

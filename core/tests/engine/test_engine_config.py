@@ -50,7 +50,10 @@ def test_a_field_is_refused_by_its_own_name_with_llms_message(argument, value, e
     [
         ({"block_size": 0}, r"block_size is 0; it must be a positive int \(tokens per KV-cache block\)"),
         ({"block_size": 16.0}, "block_size is 16.0; it must be a positive int"),
-        ({"placement": {"lm_head": "cpu"}, "tensor_parallel_size": 2}, "use tensor_parallel_size=1 with placement"),
+        (
+            {"placement": {"lm_head": "cpu"}, "tensor_parallel_size": 2},
+            "use tensor_parallel_size=1 and pipeline_parallel_size=1 with placement",
+        ),
         ({"devices": ["cpu"], "importer": "hf"}, "placement of imported models is not supported yet"),
         ({"make_step": lambda runner: None, "tensor_parallel_size": 2}, "make_step runs in this process"),
     ],

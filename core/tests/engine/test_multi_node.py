@@ -1,9 +1,10 @@
-"""Tensor parallelism across machines: two ``torchrun`` "nodes" on 127.0.0.1, one gloo rank each.
+"""Tensor and pipeline parallelism across machines: two ``torchrun`` "nodes" on 127.0.0.1, one gloo rank each.
 
 Each node is its own ``torchrun --nnodes 2 --node-rank R`` (static rendezvous at 127.0.0.1), as on two
 machines; each runs ``vllm-port generate --distributed-executor-backend external_launcher``, a whole
-engine per rank. Both must print the tokens one process generates alone (greedy), and stop together,
-naming the rank, when one of them is given another prompt.
+engine per rank. Both must print the tokens one process generates alone (greedy), as two tensor-parallel
+shards and as two pipeline stages, and stop together, naming the rank, when one of them is given another
+prompt.
 """
 
 from __future__ import annotations
@@ -22,15 +23,18 @@ from vllm_port.spawn import free_port
 _TIMEOUT_S = 240
 
 
-def _two_nodes(model_dir, prompt_ids: list[list[list[int]]], *flags: str) -> list[subprocess.CompletedProcess[str]]:
-    """``vllm-port generate`` on two torchrun nodes of one rank each; node ``r`` is given ``prompt_ids[r]``."""
+def _two_nodes(
+    model_dir, prompt_ids: list[list[list[int]]], *flags: str, split: str = "--tensor-parallel-size"
+) -> list[subprocess.CompletedProcess[str]]:
+    """``vllm-port generate`` on two torchrun nodes of one rank each, the model split over them by the ``split``
+    flag (``--tensor-parallel-size`` or ``--pipeline-parallel-size``); node ``r`` is given ``prompt_ids[r]``."""
     port = free_port()
     nodes = []
     for rank, ids in enumerate(prompt_ids):
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
         torchrun += ["--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         generate = ["-m", "vllm_port.cli", "generate", "--model", str(model_dir), "--json", *flags]
-        generate += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "external_launcher"]
+        generate += [split, "2", "--distributed-executor-backend", "external_launcher"]
         generate += [arg for prompt in ids for arg in ("--prompt-token-ids", ",".join(map(str, prompt)))]
         piped = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
         nodes.append(subprocess.Popen([*torchrun, *generate], **piped))
@@ -62,6 +66,17 @@ def test_two_nodes_launched_by_torchrun_generate_what_one_process_does(engine_mo
 
 
 @pytest.mark.slow
+def test_two_pipeline_stages_on_two_nodes_generate_what_one_process_does(engine_models, cpu_runtime):
+    model_dir = engine_models["llama"]  # two layers: one on each node; the last node samples
+    batch = prompts([7, 30, 12], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = token_ids(make_llm(model_dir, cpu_runtime).generate(batch, params))
+    flags = ("--temperature", "0", "--max-tokens", "16", "--ignore-eos", "--max-num-batched-tokens", "16")
+    stages = _two_nodes(model_dir, [batch, batch], *flags, split="--pipeline-parallel-size")
+    assert [_token_ids(node) for node in stages] == [want, want]  # chunked prefill and decode alike
+
+
+@pytest.mark.slow
 def test_a_node_given_another_prompt_stops_both_naming_its_rank(engine_models):
     model_dir = engine_models["qwen2"]
     nodes = _two_nodes(model_dir, [prompts([7], seed=1), prompts([9], seed=2)], "--temperature", "0")
@@ -78,6 +93,8 @@ def test_the_external_launcher_without_torchrun_says_how_to_start_the_ranks(llam
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: \$WORLD_SIZE is '4'"):
         make_llm(llama_model, cpu_runtime, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2: \$WORLD_SIZE is '4'"):
+        make_llm(llama_model, cpu_runtime, pipeline_parallel_size=2, distributed_executor_backend="external_launcher")
 
 
 def test_an_executor_backend_this_engine_lacks_is_refused_by_name(llama_model):

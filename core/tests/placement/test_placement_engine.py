@@ -89,7 +89,7 @@ def test_engine_platforms_from_the_policy_and_swap(llama_dir: Path, platforms) -
         assert list(llm.placement.platforms) == ["cpu", "cpu-b"]  # --device first, then what the policy names
     with pytest.raises(PlacementError, match=r"swap_space=4,096: .* keeps KV caches on cpu, cpu-b; set swap_space=0"):
         LLM(str(llama_dir), device="cpu", placement=policy, swap_space=4096, kv_cache_memory=1 << 20)
-    with pytest.raises(ValueError, match="tensor_parallel_size=1 with placement"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 and pipeline_parallel_size=1 with placement"):
         LLM(str(llama_dir), placement=policy, tensor_parallel_size=2)
 
 

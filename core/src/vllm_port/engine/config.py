@@ -45,7 +45,8 @@ class EngineConfig:
 
     The four modes are told apart by the fields: plain (a model directory, or ``None`` for the
     bundled model), imported (``importer``, or ``model`` a ``transformers`` module), placed
-    (``placement``/``devices``) and tensor-parallel (``tensor_parallel_size > 1``).
+    (``placement``/``devices``), tensor-parallel (``tensor_parallel_size > 1``) and pipeline-parallel
+    (``pipeline_parallel_size > 1``).
 
     :raises ValueError: for a field of the wrong type or range, or fields that no mode combines,
         naming the field and what it must be (``LLM(max_num_seqs=0): max_num_seqs is 0; it must
@@ -77,6 +78,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     distributed_executor_backend: str | None = None
     async_scheduling: bool = False
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # the cheap checks, all before anything loads: importing moves, casts and traces the user's module
@@ -90,8 +92,21 @@ class EngineConfig:
             value = getattr(self, name)
             if not accepts(value):
                 raise ValueError(f"LLM({name}={value!r:.80}): {name} is {value!r:.80}; it must be {expected}")
-        if self.places and self.tensor_parallel_size != 1:
-            raise ValueError("placement runs the model in this process; use tensor_parallel_size=1 with placement")
+        if self.places and self.ranks != 1:
+            raise ValueError(
+                "placement runs the model in this process; use tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                "with placement"
+            )
+        if self.tensor_parallel_size != 1 and self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"LLM(tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}): tensor and pipeline parallelism do not combine yet; use one of them"
+            )
+        if self.pipeline_parallel_size != 1 and self.imports:
+            raise ValueError(
+                f"LLM(pipeline_parallel_size={self.pipeline_parallel_size}) with an imported model: pipeline stages "
+                "load their layers from a core model definition's checkpoint; drop importer"
+            )
         if self.block_size is not None and not (_is_int(self.block_size) and self.block_size >= 1):
             raise ValueError(
                 f"block_size is {self.block_size!r}; it must be a positive int (tokens per KV-cache block)"
@@ -107,15 +122,17 @@ class EngineConfig:
                 "distributed_executor_backend='external_launcher' runs this process as one rank of a core model "
                 "definition's eager step; drop placement/devices, make_step and importer"
             )
-        if self.async_scheduling and (self.tensor_parallel_size != 1 or self.launched):
+        if self.async_scheduling and (self.ranks != 1 or self.launched):
             raise ValueError(
-                f"LLM(async_scheduling=True, tensor_parallel_size={self.tensor_parallel_size}, distributed_executor_backend="
-                f"{self.distributed_executor_backend!r}): asynchronous scheduling runs one device's steps ahead in this "
-                "process; with tensor parallelism or launched ranks use async_scheduling=False"
+                f"LLM(async_scheduling=True, tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}, distributed_executor_backend={self.distributed_executor_backend!r}): "
+                "asynchronous scheduling runs one device's steps ahead in this process; with tensor or pipeline "
+                "parallelism or launched ranks use async_scheduling=False"
             )
-        if self.make_step is not None and self.tensor_parallel_size != 1:
+        if self.make_step is not None and self.ranks != 1:
             raise ValueError(
-                "make_step runs in this process; with tensor_parallel_size > 1 the ranks run the eager step"
+                "make_step runs in this process; with tensor_parallel_size > 1 or pipeline_parallel_size > 1 the ranks "
+                "run their own steps"
             )
 
     @property
@@ -129,6 +146,11 @@ class EngineConfig:
         """The largest step captured as graphs, in rows: ``max_num_seqs`` sequences of a decode step, or
         :attr:`replayed_prefill_tokens` tokens of any other step."""
         return max(self.max_num_seqs, self.replayed_prefill_tokens)
+
+    @property
+    def ranks(self) -> int:
+        """The processes the model is split over: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def imports(self) -> bool:
@@ -162,6 +184,10 @@ def _is_number(value: Any) -> bool:
 #: Each checked field, what it accepts and what it must be, in the order they are checked.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tensor_parallel_size": (lambda v: _is_int(v) and v >= 1, "an int >= 1 (devices to shard the model over)"),
+    "pipeline_parallel_size": (
+        lambda v: _is_int(v) and v >= 1,
+        "an int >= 1 (stages to split the model's layers into, one device each)",
+    ),
     "max_model_len": (lambda v: v is None or (_is_int(v) and v >= 2), "None or an int >= 2 (prompt and output)"),
     "kv_cache_memory": (
         lambda v: v is None or (_is_int(v) and v >= 1) or (isinstance(v, float) and 0.0 < v <= 1.0),

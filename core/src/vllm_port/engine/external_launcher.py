@@ -1,4 +1,4 @@
-"""Tensor parallelism over ranks that a launcher started: ``torchrun``, on one machine or several.
+"""Tensor or pipeline parallelism over ranks that a launcher started: ``torchrun``, on one machine or several.
 
 ``LLM(tensor_parallel_size=N, distributed_executor_backend="external_launcher")`` (vLLM's name for
 the same mode) makes this process one of the ``N`` ranks ``torchrun`` launched: every rank runs the
@@ -6,14 +6,18 @@ same program, joins the platform's process group from ``torchrun``'s environment
 (:meth:`vllm_port.runtime.Runtime.init_process_group`), loads its shard, and runs a whole engine of
 its own: its scheduler makes the same choices as every other rank's, so the ranks step together
 with no driver process and no queue. Across machines that is ``torchrun --nnodes N`` and nothing
-else (docs/multi-node.md).
+else (docs/multi-node.md). With ``pipeline_parallel_size=N`` instead, each rank is a pipeline stage
+(:mod:`~vllm_port.engine.pipeline_parallel`): its layers, the residual stream received from the
+stage before and sent to the next; the last stage samples.
 
 What keeps the ranks in step, checked rather than assumed:
 
 - The KV pools: each rank sizes its cache from its own device's memory, so the scheduler's books
   are kept for the smallest cache of any rank (the others hold at least as many blocks).
-- The tokens: rank 0's sampled tokens (and logprobs), as JSON (data, never pickled code), are
-  broadcast every step and used by every rank, so a rank whose sampling would have drawn otherwise (another seed) still follows rank 0.
+- The tokens: the sampling rank's tokens (and logprobs), as JSON (data, never pickled code), are
+  broadcast every step and used by every rank, so a rank whose sampling would have drawn otherwise
+  (another seed) still follows it. That rank is rank 0 with tensor parallelism, the last stage with
+  pipeline parallelism (the others compute no logits).
 - The steps: before each step the ranks gather a digest of it (its tokens, positions, cache slots
   and lengths); where a rank's step differs from rank 0's (another prompt, other parameters, another
   program) every rank stops with an error naming it, before the step's collectives could mix shards of
@@ -32,6 +36,7 @@ import torch
 
 from ..errors import VllmPortError
 from ..models import load_config
+from .pipeline_parallel import check_stageable, load_stage, stage_step
 from .runner import ModelRunner
 from .scheduler import StepBatch, StepResult, TokenError, TopLogprobs
 from .tensor_parallel import TensorParallelOps, check_shardable, load_shard
@@ -42,6 +47,7 @@ __all__ = ["LaunchedRankRunner"]
 class LaunchedRankRunner:
     """The runner interface of :class:`~vllm_port.engine.runner.ModelRunner` for this process as one launched rank.
 
+    :param pipeline: the ranks are pipeline stages (``pipeline_parallel_size``), not tensor-parallel shards.
     :raises ValueError: when ``torchrun``'s ``WORLD_SIZE`` is missing or is not ``world_size``.
     :raises CommInitError: when the process group cannot be joined (the environment names what is missing).
     """
@@ -53,29 +59,40 @@ class LaunchedRankRunner:
         dtype: torch.dtype,
         world_size: int,
         *,
+        pipeline: bool = False,
         block_size: int = 16,
         timeout_s: float = 300.0,
         **runner_kwargs: Any,
     ) -> None:
         launched = os.environ.get("WORLD_SIZE")
+        size = "pipeline_parallel_size" if pipeline else "tensor_parallel_size"
         if launched != str(world_size):
             found = f"$WORLD_SIZE is {launched!r}" if launched is not None else "$WORLD_SIZE is not set"
             raise ValueError(
-                f"distributed_executor_backend='external_launcher' with tensor_parallel_size={world_size}: {found}; "
+                f"distributed_executor_backend='external_launcher' with {size}={world_size}: {found}; "
                 f"start every rank with a launcher that sets it, e.g. torchrun --nproc-per-node {world_size} "
                 f"(on several machines: torchrun --nnodes M --nproc-per-node {world_size}/M ...), "
                 f"or use the default backend, which spawns the ranks on this machine"
             )
-        check_shardable(load_config(model_dir), world_size)
+        (check_stageable if pipeline else check_shardable)(load_config(model_dir), world_size)
         self.block_size = block_size
         self.world_size = world_size
+        self.pipeline = pipeline
         context = runtime.init_process_group(timeout_s)
         self.rank, self.device = context.rank, context.device
-        max_positions = runner_kwargs.pop("max_positions", None)  # the shard is loaded here, with its rotary table
-        model = load_shard(Path(model_dir), context.device, dtype, context.rank, world_size, max_positions)
-        row = [w for layer in model.layers for w in (layer.o_weight, layer.down_weight)]
+        #: the rank whose sampled tokens every rank uses: the last stage's in a pipeline, else rank 0's
+        self.sampler = world_size - 1 if pipeline else 0
+        max_positions = runner_kwargs.pop("max_positions", None)  # the model is loaded here, with its rotary table
         self._communicator = runtime.communicator()
-        ops = TensorParallelOps(runtime.bind(dtype), self._communicator, row)
+        if pipeline:
+            model = load_stage(Path(model_dir), context.device, dtype, context.rank, world_size, max_positions)
+            ops = runtime.bind(dtype)
+            step = stage_step(model, ops, self._communicator, context.rank, world_size)
+            runner_kwargs["make_step"] = lambda runner: step
+        else:
+            model = load_shard(Path(model_dir), context.device, dtype, context.rank, world_size, max_positions)
+            row = [w for layer in model.layers for w in (layer.o_weight, layer.down_weight)]
+            ops = TensorParallelOps(runtime.bind(dtype), self._communicator, row)
         self._runner = ModelRunner(
             runtime, model, ops=ops, device=context.device, block_size=block_size, **runner_kwargs
         )
@@ -94,11 +111,14 @@ class LaunchedRankRunner:
         return self._communicator.all_gather(mine).min(dim=0).values.tolist()
 
     def capture_steps(self, max_rows: int, max_model_len: int, max_prefill_tokens: int | None = None) -> list[int]:
-        """This rank captures its step (:meth:`ModelRunner.capture_steps`); the sizes it captured."""
+        """This rank captures its step (:meth:`ModelRunner.capture_steps`); the sizes it captured. A pipeline
+        stage captures nothing: its step receives from and sends to other ranks."""
+        if self.pipeline:
+            return []
         return self._runner.capture_steps(max_rows, max_model_len, max_prefill_tokens)
 
     def execute(self, batch: StepBatch) -> Any:
-        """Run the step on this rank's shard; return rank 0's sampled tokens, the same on every rank.
+        """Run the step on this rank's shard or stage; return the sampling rank's tokens, the same on every rank.
 
         :raises VllmPortError: when this rank's step is not rank 0's (the ranks run different programs or
             prompts), before any of the step's collectives could mix shards of different batches.
@@ -106,8 +126,12 @@ class LaunchedRankRunner:
         if batch.query_lens:
             self.num_steps += 1
             self._check_step(batch)
-        sampled = self._runner.execute(batch)
-        return self._from_rank_0(sampled) if batch.query_lens else sampled
+        if self.rank != self.sampler and self.pipeline:  # a stage before the last: no logits, nothing sampled
+            self._runner.forward(batch)
+            sampled: Any = []
+        else:
+            sampled = self._runner.execute(batch)
+        return self._from_sampler(sampled) if batch.query_lens else sampled
 
     def _check_step(self, batch: StepBatch) -> None:
         """Every rank's digest of its step, gathered: any rank whose step is not rank 0's stops every rank."""
@@ -121,17 +145,19 @@ class LaunchedRankRunner:
                 "engine arguments, in the same order"
             )
 
-    def _from_rank_0(self, sampled: Any) -> Any:
-        """Rank 0's ``sampled`` on every rank: as JSON (:func:`_encode`), one broadcast of its length, one of its bytes."""
-        payload = torch.frombuffer(bytearray(_encode(sampled)), dtype=torch.uint8) if self.rank == 0 else None
+    def _from_sampler(self, sampled: Any) -> Any:
+        """The sampling rank's ``sampled`` on every rank: as JSON (:func:`_encode`), one broadcast of its length,
+        one of its bytes."""
+        mine = self.rank == self.sampler
+        payload = torch.frombuffer(bytearray(_encode(sampled)), dtype=torch.uint8) if mine else None
         size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=self.device)
-        size = self._communicator.broadcast(size, 0)
+        size = self._communicator.broadcast(size, self.sampler)
         data = (
             payload.to(self.device)
             if payload is not None
             else torch.empty(int(size), dtype=torch.uint8, device=self.device)
         )
-        data = self._communicator.broadcast(data, 0)
+        data = self._communicator.broadcast(data, self.sampler)
         return _decode(bytes(data.cpu().tolist()))
 
     def close(self) -> None:

@@ -282,7 +282,7 @@ class LLM:
     :param kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"fp8"`` (``"fp8_e4m3"``): the paged KV cache in
         float8 e4m3 with scales of 1.0 (vLLM's default), a block taking half of bfloat16's bytes, so the same
         memory holds twice the tokens; attention reads it through the ``*_fp8`` cache ops.
-    :param distributed_executor_backend: how the ``tensor_parallel_size`` ranks start: ``None`` or ``"mp"``
+    :param distributed_executor_backend: how the ``tensor_parallel_size`` (or ``pipeline_parallel_size``) ranks start: ``None`` or ``"mp"``
         spawns them on this machine; ``"external_launcher"`` (vLLM's name) makes this process one of the ranks
         that ``torchrun`` launched, on this machine or across several (``torchrun --nnodes``): every rank runs
         the same program and gets the same outputs (``docs/multi-node.md``).
@@ -290,6 +290,11 @@ class LLM:
         (vLLM's option of that name; :mod:`vllm_port.engine.step_ahead`): the host's work of a step overlaps
         the device's, with the same outputs token for token. Steps whose requests need their tokens on the host
         first (logits processing, logprobs, ``n > 1``) run synchronously. One device (``tensor_parallel_size=1``).
+    :param pipeline_parallel_size: stages to split the model's layers into, each a rank of its own with its
+        layers and their KV cache (:mod:`vllm_port.engine.pipeline_parallel`), spawned on this machine or
+        launched by ``torchrun`` (``distributed_executor_backend``): for a model whose weights do not fit one
+        device. The stages take turns within a step, so it buys memory, not speed; its steps run eagerly, and
+        it does not combine with ``tensor_parallel_size`` or placement yet.
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -322,6 +327,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         distributed_executor_backend: str | None = None,
         async_scheduling: bool = False,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
         del arguments["self"]
@@ -1080,19 +1086,27 @@ def _default_kv_budget(runtime: Runtime) -> float | int:
 
 
 def _rope_positions(
-    runtime: Runtime, config: Any, dtype: torch.dtype, longest: int, kv_cache_memory: float | int, ranks: int = 1
+    runtime: Runtime,
+    config: Any,
+    dtype: torch.dtype,
+    longest: int,
+    kv_cache_memory: float | int,
+    ranks: int = 1,
+    stages: int = 1,
 ) -> int:
     """Positions the rotary table needs: ``longest``, or fewer when the budget cannot cache that many tokens.
 
     The budget's bytes are bounded before the weights load (a fraction of the memory free now is at
     least that of the memory free after), so the context the cache ends up holding never outgrows the table.
-    With ``ranks`` tensor-parallel ranks each rank's cache holds its share of the KV heads.
+    With ``ranks`` tensor-parallel ranks each rank's cache holds its share of the KV heads; with ``stages``
+    pipeline stages each holds its layers' (the smallest stage's count bounds what any cache holds).
     """
     budget = kv_cache_memory
     if isinstance(budget, float):
         budget = int(runtime.allocator().mem_info()[0] * budget)
     kv_heads = max(1, config.num_kv_heads // ranks)
-    token_bytes = 2 * config.num_layers * kv_heads * config.head_size * dtype.itemsize
+    layers = max(1, config.num_layers // stages)
+    token_bytes = 2 * layers * kv_heads * config.head_size * dtype.itemsize
     return max(2, min(longest, budget // token_bytes))
 
 
@@ -1180,7 +1194,7 @@ def _check_fits(config: EngineConfig, runtime: Runtime, model_config: Any, dtype
     With tensor parallelism the ranks own the devices (asking here could open a device context in
     this process), and a placement checks each platform's share: then only host memory is checked.
     """
-    one_device = config.tensor_parallel_size == 1 and not config.places
+    one_device = config.ranks == 1 and not config.places
     check_fits(
         model_config,
         dtype,
@@ -1223,8 +1237,8 @@ def _size_cache(config: EngineConfig, runtime: Runtime, model: _OpenedModel, pla
         swap_space = 0 if placement is not None else _default_swap(runtime, budget)
     positions = None
     if model.imported is None:
-        ranks = config.tensor_parallel_size
-        positions = _rope_positions(runtime, model.config, model.dtype, longest, budget, ranks)
+        ranks, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+        positions = _rope_positions(runtime, model.config, model.dtype, longest, budget, ranks, stages)
     # whole blocks per sequence: 8 sequences of 48 tokens need 8 blocks of 128, not 3
     max_tokens = config.max_num_seqs * -(-longest // block_size) * block_size
     return _CacheSizing(block_size, budget, swap_space, max_tokens, positions)
@@ -1236,7 +1250,7 @@ def _utilization_budget(config: EngineConfig, runtime: Runtime, model: _OpenedMo
     free, total = runtime.allocator().mem_info()
     itemsize = model.dtype.itemsize
     if model.imported is None:  # not loaded yet: the bytes config.json's sizes say, per rank
-        weights = -(-model.config.weight_bytes(model.dtype) // config.tensor_parallel_size)
+        weights = -(-model.config.weight_bytes(model.dtype) // config.ranks)
     else:  # imported, so loaded already: its tensors' bytes, which the free memory no longer counts
         weights = _module_bytes(model.imported)
         free += weights
@@ -1277,11 +1291,16 @@ def _refuse_fp8_beyond_one_device(config: EngineConfig, model: _OpenedModel) -> 
     """FP8 checkpoints run on one platform: their scales are not sharded over ranks nor placed beside their weights."""
     if getattr(model.config, "quantization", None) is None:
         return
-    mode = "tensor_parallel_size > 1" if config.tensor_parallel_size != 1 else "placement/devices"
-    if config.tensor_parallel_size != 1 or config.places:
+    if config.tensor_parallel_size != 1:
+        mode = "tensor_parallel_size > 1 would split the projections from their scales"
+    elif config.pipeline_parallel_size != 1:
+        mode = "pipeline_parallel_size > 1 is not tested with FP8 checkpoints"
+    else:
+        mode = "placement/devices would split the projections from their scales"
+    if config.ranks != 1 or config.places:
         raise ModelLoadError(
             f"{model.model_dir}: config.json's quantization_config makes an FP8 checkpoint, which runs on one device "
-            f"so far ({mode} would split the projections from their scales); use tensor_parallel_size=1 and no placement"
+            f"so far ({mode}); use tensor_parallel_size=1, pipeline_parallel_size=1 and no placement"
         )
 
 
@@ -1289,7 +1308,8 @@ def _make_runner(
     config: EngineConfig, runtime: Runtime, model: _OpenedModel, placement: Any, sizing: _CacheSizing
 ) -> Any:
     """The runner of ``config``'s mode: a ``ModelRunner`` in this process (plain, imported or placed), or
-    a ``TensorParallelRunner`` over ``tensor_parallel_size`` worker ranks, or this process as one rank a launcher
+    a ``TensorParallelRunner`` over ``tensor_parallel_size`` worker ranks, a ``PipelineParallelRunner`` over
+    ``pipeline_parallel_size`` stages, or this process as one rank a launcher
     started (``LaunchedRankRunner``)."""
     _refuse_fp8_beyond_one_device(config, model)
     if config.launched:
@@ -1299,7 +1319,19 @@ def _make_runner(
             runtime,
             model.weights,
             model.dtype,
-            config.tensor_parallel_size,
+            config.ranks,
+            pipeline=config.pipeline_parallel_size != 1,
+            kv_cache_dtype=config.kv_cache_dtype,
+            **sizing.runner_arguments(),
+        )
+    if config.pipeline_parallel_size != 1:
+        from .pipeline_parallel import PipelineParallelRunner
+
+        return PipelineParallelRunner(
+            runtime,
+            model.weights,
+            model.dtype,
+            config.pipeline_parallel_size,
             kv_cache_dtype=config.kv_cache_dtype,
             **sizing.runner_arguments(),
         )

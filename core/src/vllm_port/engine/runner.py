@@ -176,7 +176,8 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.ops = ops or runtime.bind(model.dtype)
-        #: the ops were bound here (a tensor-parallel rank's ops sum over ranks: a re-run on one rank would hang)
+        #: the ops were bound here (a tensor-parallel rank's ops sum over ranks, a pipeline stage's step receives
+        #: from the stage before: a re-run on one rank would hang)
         self._own_ops = ops is None
         #: steps executed so far (error messages name the step)
         self.num_steps = 0
@@ -328,6 +329,17 @@ class ModelRunner:
         drawn tokens or of prompt tokens) the list is a :class:`StepResult` carrying them.
         """
         return self.launch(batch).result()
+
+    def forward(self, batch: StepBatch) -> None:
+        """Run the step's forward and sample nothing: a pipeline stage before the last, whose step function
+        sends its residual stream on to the next stage (``vllm_port.engine.pipeline_parallel``)."""
+        self._migrate(batch)
+        if not batch.query_lens:
+            return
+        self.num_steps += 1
+        with torch.inference_mode(), blame(self.ops):
+            ids, positions, meta, rows, *_ = self._tensors(batch)
+            self.step(ids, positions, self.kv_caches, meta, rows)
 
     def launch(self, batch: StepBatch, feed: StepFeed | None = None) -> PendingStep:
         """Start one step on the device and return without waiting for it (:meth:`execute` = ``launch(...).result()``).
@@ -555,7 +567,10 @@ class ModelRunner:
         if checked and self._own_ops:
             return scrutinize(rerun).verdict()
         if checked:
-            return "run with tensor_parallel_size=1 and VLLM_PORT_CHECK=1 to find the op that produced them"
+            return (
+                "run in one process (tensor_parallel_size=1, pipeline_parallel_size=1) with VLLM_PORT_CHECK=1 to find "
+                "the op that produced them"
+            )
         return (
             "the op that produced them is not known: run with VLLM_PORT_CHECK=1 (debug mode), which re-runs such a step "
             "comparing every op with its reference and names the first one at fault"

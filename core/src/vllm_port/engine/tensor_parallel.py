@@ -165,6 +165,17 @@ def load_shard(
 # -------------------------------------------------------------------------------------------------
 
 
+def _tensor_rank(runtime: Any, ctx: Any, spec: dict[str, Any], runner_kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    """Rank ``ctx.rank``'s runner over its shard, and whether its sampled ids are the step's (rank 0's are)."""
+    from .runner import ModelRunner
+
+    max_positions = runner_kwargs.pop("max_positions", None)  # the shard is loaded here, with its rotary table
+    model = load_shard(spec["model_dir"], ctx.device, spec["dtype"], ctx.rank, ctx.world_size, max_positions)
+    row = [w for layer in model.layers for w in (layer.o_weight, layer.down_weight)]
+    ops = TensorParallelOps(runtime.bind(spec["dtype"]), runtime.communicator(), row)
+    return ModelRunner(runtime, model, ops=ops, device=ctx.device, **runner_kwargs), ctx.rank == 0
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -173,32 +184,32 @@ def _worker(
     inbox: Any,
     outbox: Any,
 ) -> None:
-    """One rank: join the group, load the shard, then run every step the engine sends until ``None``."""
+    """One rank: join the group, build its runner (``spec["rank"]``: :func:`_tensor_rank`, or a pipeline stage's),
+    then run every step the engine sends until ``None``.
+
+    The rank whose sampled ids are the step's sends them back; a runner without ``sample_steps`` (a pipeline
+    stage before the last) only runs its step's forward.
+    """
     from ..spawn import set_rank_environment
 
     set_rank_environment(rank, world_size, port)
     try:
         from ..runtime import load
-        from .runner import ModelRunner
 
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])
         runtime = load(spec["plugins"], spec["platform"])
         ctx = runtime.init_process_group(spec["timeout_s"])
-        runner_kwargs = dict(spec["runner"])
-        max_positions = runner_kwargs.pop("max_positions", None)  # the shard is loaded here, with its rotary table
-        model = load_shard(spec["model_dir"], ctx.device, spec["dtype"], rank, world_size, max_positions)
-        row = [w for layer in model.layers for w in (layer.o_weight, layer.down_weight)]
-        ops = TensorParallelOps(runtime.bind(spec["dtype"]), runtime.communicator(), row)
-        runner = ModelRunner(runtime, model, ops=ops, device=ctx.device, **runner_kwargs)
+        runner, answers = spec["rank"](runtime, ctx, spec, dict(spec["runner"]))
         swap_blocks = runner.swap_pool.num_blocks if runner.swap_pool is not None else 0
         outbox.put(("ready", rank, (runner.pool.num_blocks, swap_blocks, runner.provider_per_op)))
+        run = runner.execute if answers or not spec["forward_only"] else runner.forward
         while (batch := inbox.get()) is not None:
             if isinstance(batch, tuple):  # ("capture", max_rows, max_model_len, max_prefill_tokens)
                 outbox.put(("captured", rank, runner.capture_steps(*batch[1:])))
                 continue
-            sampled = runner.execute(batch)
-            if rank == 0 and batch.query_lens:
+            sampled = run(batch)
+            if answers and batch.query_lens:
                 outbox.put(("sampled", rank, sampled))
         runner.close()
     except BaseException as exc:
@@ -223,6 +234,18 @@ def _portable(exc: BaseException) -> BaseException:
 class TensorParallelRunner:
     """The runner interface of :class:`~vllm_port.engine.runner.ModelRunner` over ``world_size`` worker ranks."""
 
+    #: what the errors of its workers call the mode
+    mode = "tensor parallel"
+    #: each worker's runner (see :func:`_worker`)
+    rank_runner = staticmethod(_tensor_rank)
+    #: whether the ranks that do not answer run only their step's forward (the TP ranks sample, and drop it)
+    forward_only = False
+
+    @staticmethod
+    def check(config: ModelConfig, world_size: int) -> None:
+        """Refuse a model the ranks cannot split (:func:`check_shardable`)."""
+        check_shardable(config, world_size)
+
     def __init__(
         self,
         runtime: Any,
@@ -238,7 +261,7 @@ class TensorParallelRunner:
 
         from ..spawn import free_port
 
-        check_shardable(load_config(model_dir), world_size)
+        self.check(load_config(model_dir), world_size)
         self.runtime = runtime
         self.block_size = block_size
         self.world_size = world_size
@@ -251,6 +274,8 @@ class TensorParallelRunner:
             "timeout_s": timeout_s,
             "threads": torch.get_num_threads(),
             "runner": dict(runner_kwargs, block_size=block_size),
+            "rank": self.rank_runner,
+            "forward_only": self.forward_only,
         }
         context = mp.get_context("spawn")
         self._outbox = context.Queue()
@@ -287,13 +312,13 @@ class TensorParallelRunner:
                 dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
                 if dead or waited >= timeout_s:
                     raise VllmPortError(
-                        f"tensor parallel: rank(s) {dead} exited" if dead else f"no rank answered in {timeout_s:.0f} s"
+                        f"{self.mode}: rank(s) {dead} exited" if dead else f"no rank answered in {timeout_s:.0f} s"
                     ) from None
                 continue
             if got == "error":
                 raise value
             if got != kind:
-                raise VllmPortError(f"tensor parallel: rank {rank} sent {got!r} where {kind!r} was expected")
+                raise VllmPortError(f"{self.mode}: rank {rank} sent {got!r} where {kind!r} was expected")
             return value
 
     def capture_steps(self, max_rows: int, max_model_len: int, max_prefill_tokens: int | None = None) -> list[int]:

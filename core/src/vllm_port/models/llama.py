@@ -31,6 +31,7 @@ from .loader import check_dtype, expected_weights, expert_weight_names, fp8_weig
 __all__ = [
     "AttentionMetadata",
     "LlamaModel",
+    "ModelPart",
     "load_model",
     "paged_attention_step",
     "rope_cos_sin_cache",
@@ -167,7 +168,9 @@ class _Layer:
     post_attention_norm: torch.Tensor
     gate_up_weight: torch.Tensor | None  # None in a MoE layer
     down_weight: torch.Tensor | None
-    next_norm: torch.Tensor  # the norm after this layer's MLP: the next layer's input norm, or the final norm
+    # the norm after this layer's MLP: the next layer's input norm, or the final norm; None for the last layer of a
+    # pipeline stage before the last (the next stage normalises the residual it receives with its first input norm)
+    next_norm: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # Qwen3's per-head norms, [head_size]
     k_norm: torch.Tensor | None = None
     router_weight: torch.Tensor | None = None  # a MoE layer's router, [num_experts, hidden]
@@ -180,6 +183,22 @@ class _Layer:
     down_scale: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """Which ends of the model a :class:`LlamaModel` holds besides its layers: all of it, or a pipeline stage's part.
+
+    A stage's ``config.num_layers`` is its own layers' count, their weights named from ``model.layers.0``.
+
+    Attributes:
+        embedding: the token embedding: the first stage, whose :meth:`LlamaModel.forward` takes token ids.
+        head: the final norm and the LM head (the embedding itself where they are tied): the last stage,
+            whose hidden states become logits.
+    """
+
+    embedding: bool = True
+    head: bool = True
+
+
 class LlamaModel:
     """Llama 2/3/3.1, Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral from one flat definition.
 
@@ -190,6 +209,8 @@ class LlamaModel:
         stays one model plus one layer. :func:`load_model` does this.
     :param max_positions: positions the rotary table covers (:attr:`max_positions`); default the
         config's ``max_position_embeddings``. Positions past it must never reach :meth:`forward`.
+    :param part: the ends it holds (:class:`ModelPart`): a pipeline stage's leave out the embedding or the
+        head, and ``weights`` need not hold them.
     :raises ModelLoadError: for a missing tensor, a shape that disagrees with ``config``, or mixed
         dtypes or devices.
     """
@@ -201,17 +222,24 @@ class LlamaModel:
         *,
         consume: bool = False,
         max_positions: int | None = None,
+        part: ModelPart = ModelPart(),
     ) -> None:
         self.config = config
-        _check_weights(config, weights)
+        self.part = part
+        _check_weights(config, weights, part)
         take = weights.pop if consume and isinstance(weights, MutableMapping) else weights.__getitem__
-        self.embed_tokens = take("model.embed_tokens.weight")
-        self.final_norm = take("model.norm.weight")
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
+        embedding = part.embedding or (part.head and config.tie_word_embeddings)
+        #: the token embedding (None in a pipeline stage after the first, unless it is the tied LM head)
+        self.embed_tokens = take("model.embed_tokens.weight") if embedding else None
+        #: the final norm and the LM head (None in a pipeline stage before the last)
+        self.final_norm = take("model.norm.weight") if part.head else None
+        self.lm_head = None
+        if part.head:
+            self.lm_head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
         norms = [take(f"model.layers.{i}.input_layernorm.weight") for i in range(config.num_layers)]
         next_norms = [*norms[1:], self.final_norm]
         self.layers = [self._layer(take, i, norms[i], next_norms[i]) for i in range(config.num_layers)]
-        self.cos_sin_cache = rope_cos_sin_cache(config, self.embed_tokens.device, max_positions)
+        self.cos_sin_cache = rope_cos_sin_cache(config, norms[0].device, max_positions)
         self.scale = config.head_size**-0.5
 
     def _layer(
@@ -265,12 +293,12 @@ class LlamaModel:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the model runs in (its weights')."""
-        return self.embed_tokens.dtype
+        return self.layers[0].input_norm.dtype
 
     @property
     def device(self) -> torch.device:
         """The device the weights are on."""
-        return self.embed_tokens.device
+        return self.layers[0].input_norm.device
 
     def forward(
         self,
@@ -288,15 +316,33 @@ class LlamaModel:
         :param kv_caches: per layer ``(key_cache, value_cache)``, each
             ``[num_blocks, block_size, num_kv_heads, head_size]``; this step's keys and values are written in.
         """
-        eps = self.config.rms_norm_eps
         residual = ops.embedding(input_ids, self.embed_tokens)
+        return self.forward_layers(ops, residual, positions, kv_caches, meta)[0]
+
+    def forward_layers(
+        self,
+        ops: BoundOps,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over the residual stream ``[num_tokens, hidden_size]`` (the embedding, or what the
+        stage before sent): ``(hidden, residual)`` after the last layer.
+
+        ``hidden`` is the residual after the final norm where the model holds its head; a pipeline stage
+        before the last passes ``residual`` on, which the next stage normalises with its first input norm
+        (the same computation, so a split model computes what the whole one does).
+        """
+        eps = self.config.rms_norm_eps
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual = self._attention(ops, layer, hidden, positions, kv_cache, meta) + residual
             hidden = ops.rms_norm(residual, layer.post_attention_norm, eps)
             residual = self._mlp(ops, layer, hidden) + residual
-            hidden = ops.rms_norm(residual, layer.next_norm, eps)
-        return hidden
+            if layer.next_norm is not None:
+                hidden = ops.rms_norm(residual, layer.next_norm, eps)
+        return hidden, residual
 
     def _attention(
         self,
@@ -343,9 +389,14 @@ def _project(
     return ops.fp8_linear(x, weight, scale, bias)
 
 
-def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], part: ModelPart) -> None:
     specs = expected_weights(config)
-    first = weights.get("model.embed_tokens.weight")
+    if not (part.embedding or (part.head and config.tie_word_embeddings)):
+        del specs["model.embed_tokens.weight"]
+    if not part.head:
+        specs = {k: v for k, v in specs.items() if k not in ("model.norm.weight", "lm_head.weight")}
+    first_name = next(iter(specs))  # the embedding, or a pipeline stage's first norm: the dtype all share
+    first = weights.get(first_name)
     fp8 = fp8_weights(config)
     for name in fp8:
         if not isinstance(weights.get(name + "_scale"), torch.Tensor):
@@ -364,7 +415,7 @@ def _check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> 
             )
         if first is not None and name not in fp8 and (tensor.dtype != first.dtype or tensor.device != first.device):
             raise ModelLoadError(
-                f"weights: tensor {name!r} is {tensor.dtype} on {tensor.device} but the embedding is {first.dtype} "
+                f"weights: tensor {name!r} is {tensor.dtype} on {tensor.device} but {first_name!r} is {first.dtype} "
                 f"on {first.device}; load every weight in one dtype on one device"
             )
     check_dtype(first.dtype)

@@ -21,7 +21,7 @@ memory there is, before anything is allocated.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -351,9 +351,16 @@ def _refuse_non_finite(path: Path, name: str, loaded: torch.Tensor, tag: str) ->
 
 
 def load_weights(
-    model_dir: str | os.PathLike[str], config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+    model_dir: str | os.PathLike[str],
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor the model needs, by Hugging Face name, on ``device`` in ``dtype``.
+
+    ``keep``: read only the tensors whose names it accepts (a pipeline stage's); every header is
+    checked all the same.
 
     Headers are checked before any weight moves; then shards are opened one at a time and their
     tensors moved one by one, so peak host memory is about one tensor. Tensors the model does not
@@ -374,6 +381,9 @@ def load_weights(
     _check_tensors(by_file, headers, specs, fp8)
     weights: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
+        names = names if keep is None else [n for n in names if keep(n)]
+        if not names:
+            continue
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
@@ -388,7 +398,7 @@ def load_weights(
             raise ModelLoadError(f"{path}: reading its tensors failed ({exc}); re-download or re-save it") from exc
         if check:
             _check_finite(path, names, weights, headers[path])
-    return {name: weights[name] for name in (*specs, *(n + "_scale" for n in fp8))}
+    return {name: weights[name] for name in (*specs, *(n + "_scale" for n in fp8)) if keep is None or name in weights}
 
 
 def fp8_weights(config: ModelConfig) -> frozenset[str]:
