@@ -230,7 +230,7 @@ def test_the_environment_switch_turns_the_kernels_off(fresh_state, monkeypatch, 
 
 
 def test_a_missing_source_turns_the_kernels_off_without_failing_the_probe(fresh_state, monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "SOURCE", tmp_path / "absent.c")
+    monkeypatch.setattr(native, "SOURCES", (*native.SOURCES[:-1], tmp_path / "absent.c"))
     ok, why = native.check()
     assert not ok and "absent.c" in why
     assert not native.available() and "absent.c" in native.status

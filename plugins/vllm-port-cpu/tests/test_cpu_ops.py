@@ -25,9 +25,17 @@ def samples(op_name, dtype):
 
 
 def test_one_provider_per_op_each_with_the_reference_signature_and_all_bind_on_cpu():
-    # the native attention kernels (test_cpu_native_attention.py) sit above the torch providers of their ops
+    # the native kernels (test_cpu_native_attention.py, test_cpu_native_elementwise.py) sit above the torch
+    # providers of their ops
     native_ops = {p.op for p in ops.PROVIDERS if p.name.startswith("cpu_native_")}
-    assert native_ops == {"paged_attention", "prefill_attention"}
+    assert native_ops == {
+        "paged_attention",
+        "prefill_attention",
+        "rms_norm",
+        "fused_add_rms_norm",
+        "rotary_embedding",
+        "silu_and_mul",
+    }
     assert [p.op for p in ops.PROVIDERS if not p.name.startswith("cpu_native_")] == [op.name for op in ALL_OPS]
     registry = OpRegistry(ALL_OPS)
     for p in ops.PROVIDERS:

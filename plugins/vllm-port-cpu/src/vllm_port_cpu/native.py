@@ -1,4 +1,7 @@
-"""Native paged attention for the CPU plugin: a small C kernel built at first use and called through ctypes.
+"""Native kernels for the CPU plugin: a small C library built at first use and called through ctypes.
+
+It holds paged attention (here) and fused element-wise kernels (``csrc/elementwise.c``, whose
+providers are in :mod:`.native_elementwise`), built from both sources into one library.
 
 The torch providers (:mod:`.attention`) gather every sequence's K/V blocks into a copy and run
 torch's attention per sequence batch; at decode (one query row, a few hundred keys) the copy and the
@@ -8,7 +11,7 @@ query head of the group, so each K/V row is read once, with an online softmax in
 
 Build: the system C compiler (``cc`` or ``gcc`` on ``PATH``) with ``-O3 -march=native -fopenmp``,
 into ``cpu-native/`` of ``$VLLM_PORT_CACHE_DIR`` (default ``~/.cache/vllm-port``) under a name keyed
-by the source, the compiler and the CPU's flags; written to a temporary file and renamed, so
+by the sources, the compiler and the CPU's flags; written to a temporary file and renamed, so
 processes building at once never load a partial library. ``VLLM_PORT_CPU_NATIVE=0`` turns the
 kernels off. When they are off or the build fails, the providers' support predicate declines and the
 torch providers serve the ops; :data:`status` says why, and which file is loaded (the probe's
@@ -61,7 +64,7 @@ CACHE_ENV = "VLLM_PORT_CACHE_DIR"
 #: The private directory (mode 0700) under the cache directory that holds the library and its hash.
 PRIVATE_DIR = "cpu-native"
 HASH_SUFFIX = ".sha256"
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "elementwise.c"))
 COMPILERS = ("cc", "gcc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 #: Above the torch providers (10).
@@ -78,6 +81,8 @@ _ERRORS = {
     3: "a block_tables entry a sequence uses is outside [0, num_blocks) of the caches",
     4: "cu_seqlens_q must start at 0, never decrease, and end at most at the query's token count",
     5: "out of memory for the kernel's scratch buffers",
+    6: "a positions entry is outside [0, max_position) of cos_sin_cache",
+    7: "cos_sin_cache's rotary_dim must be even and at most 2048",
 }
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -178,18 +183,19 @@ def _cpu_flags() -> str:
 
 @lru_cache(maxsize=4)
 def _library_name(compiler: str) -> str:
-    """The file name of the library ``compiler`` builds for this source and CPU: a hash of all three."""
+    """The file name of the library ``compiler`` builds for these sources and CPU: a hash of them all."""
     try:
         # the compiler found on PATH, with fixed arguments
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout  # noqa: S603
     except (OSError, subprocess.SubprocessError):
         version = ""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), version.encode(), " ".join(FLAGS).encode()):
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, compiler.encode(), version.encode(), " ".join(FLAGS).encode()):
         key.update(part)
         key.update(b"\0")
     key.update((_cpu_flags() + _host.machine()).encode())
-    return f"cpu-paged-attention-{key.hexdigest()[:20]}.so"
+    return f"cpu-native-{key.hexdigest()[:20]}.so"
 
 
 def _failure_log(target: Path) -> Path:
@@ -236,10 +242,10 @@ def _open_verified(path: Path) -> tuple[int, str] | None:
 
 
 def _build(compiler: str, target: Path) -> None:
-    """Compile the source into ``target`` through a temporary file in the same directory, record its hash, rename it."""
+    """Compile the sources into ``target`` through a temporary file in the same directory, record its hash, rename it."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)  # noqa: S603 - as above
         if done.returncode != 0:
@@ -290,6 +296,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.vp_prefill_attention.argtypes = [p, p, i64, i64, i64, *cache, p, i32, p, i32, i64, i32, f32, i64, f32, i32]
     lib.vp_paged_attention.restype = lib.vp_prefill_attention.restype = i32
     lib.vp_has_float16.restype = i32
+    rows = [i64, i64]  # a tensor's outer and inner row strides
+    lib.vp_rms_norm.argtypes = [p, p, *rows, p, *rows, p, i64, i64, i64, f32, i32, i32]
+    lib.vp_silu_and_mul.argtypes = [p, p, *rows, i64, i64, i64, i32, i32]
+    rotated = [p, i64, i64, i64]  # tensor, token and head strides, heads
+    lib.vp_rotary_embedding.argtypes = [p, i64, i32, i64, *rotated, *rotated, p, i64, i64, i64, i32, i32, i32, i32]
+    lib.vp_rms_norm.restype = lib.vp_silu_and_mul.restype = lib.vp_rotary_embedding.restype = i32
 
 
 def check() -> tuple[bool, str]:
@@ -300,7 +312,7 @@ def check() -> tuple[bool, str]:
         return _library is not None, status
     compiler = _compiler()
     if compiler is None:
-        return False, f"off: no C compiler ({' or '.join(COMPILERS)}) on PATH; the torch kernels serve attention"
+        return False, f"off: no C compiler ({' or '.join(COMPILERS)}) on PATH; the torch providers serve the ops"
     try:  # the probe calls this: it must answer, never raise
         directory, note = _cache_dir(create=False)
         path = directory / _library_name(compiler)
@@ -345,7 +357,7 @@ def library() -> ctypes.CDLL | None:
                 if note:
                     log.warning("vllm-port-cpu: %s", note)
             except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-                status = f"off: the build or load failed; the torch kernels serve attention: {exc}"
+                status = f"off: the build or load failed; the torch providers serve the ops: {exc}"
         _loaded = True
     return _library
 

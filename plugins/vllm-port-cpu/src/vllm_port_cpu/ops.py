@@ -20,7 +20,7 @@ from vllm_port.ops.linear import check_embedding, check_linear, packed_rows
 from vllm_port.ops.norm import check_fused_add_rms_norm, check_rms_norm
 from vllm_port.ops.rotary import check_rotary_embedding
 
-from . import attention, moe, native, sampling
+from . import attention, moe, native, native_elementwise, sampling
 
 __all__ = ["PROVIDERS"]
 
@@ -159,14 +159,18 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 #: Every provider of the CPU plugin, in the order of ``vllm_port.ops.ALL_OPS``: one per contract op, and
-#: for the attention ops the native kernels (:mod:`.native`) above the torch ones, which serve when
-#: the native kernels cannot be built.
+#: for the attention, norm, rotary and silu_and_mul ops the native kernels (:mod:`.native`,
+#: :mod:`.native_elementwise`) above the torch ones, which serve when the native kernels cannot be
+#: built (docs/results/cpu-elementwise.md has the element-wise kernels' measurements).
 PROVIDERS: list[Provider] = [
     embedding,
+    native_elementwise.rms_norm,
     rms_norm,
+    native_elementwise.fused_add_rms_norm,
     fused_add_rms_norm,
     linear,
     fp8_linear,
+    native_elementwise.rotary_embedding,
     rotary_embedding,
     attention.reshape_and_cache,
     native.prefill_attention,
@@ -176,6 +180,7 @@ PROVIDERS: list[Provider] = [
     attention.reshape_and_cache_fp8,
     attention.prefill_attention_fp8,
     attention.paged_attention_fp8,
+    native_elementwise.silu_and_mul,
     silu_and_mul,
     gelu_and_mul,
     moe.fused_moe,

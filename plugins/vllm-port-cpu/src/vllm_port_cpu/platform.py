@@ -48,7 +48,7 @@ def probe(cpuinfo_path: str = "/proc/cpuinfo", meminfo_path: str = "/proc/meminf
         "native_attention": native.check()[1],
     }
     device = DeviceInfo(name=model, total_memory=memory, arch=_host.machine())
-    reason = f"host CPU: {model}, {cores} cores usable; native attention kernels: {capabilities['native_attention']}"
+    reason = f"host CPU: {model}, {cores} cores usable; native kernels: {capabilities['native_attention']}"
     return ProbeResult(True, reason, (device,), capabilities)
 
 
