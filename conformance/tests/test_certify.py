@@ -16,7 +16,7 @@ from certify_helpers import Certified, CertifyJob, run_certify, run_certify_batc
 from shared_runs import CPU_CERTIFICATION, OncePerRun
 
 from vllm_port import cli
-from vllm_port_conformance import certify
+from vllm_port_conformance import certify, inside_vllm
 from vllm_port_conformance.comm_ranks import MULTI_RANK_CHECKS
 
 #: the shared run (and xdist group) of alpha's certification for one device
@@ -77,7 +77,7 @@ def test_the_report_carries_a_digest_of_the_sources_it_ran(cpu_certified):
 @pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_a_full_scope_report_and_the_first_probe(cpu_certified):
     report = cpu_certified.report
-    assert report["report_version"] == certify.REPORT_VERSION == 5
+    assert report["report_version"] == certify.REPORT_VERSION == 6
     assert report["selection"] is None  # the whole suite ran
     assert report["scope"] == {
         "devices": 1,
@@ -204,6 +204,96 @@ def _minimal_failed():
     report["digest"] = certify.digest(report)
     assert certify.verify(report) == []
     return report
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(CPU_CERTIFICATION)
+def test_without_vllm_the_report_says_the_stage_inside_vllm_did_not_run_and_why(cpu_certified):
+    report = cpu_certified.report
+    assert report["vllm"] == {"ran": False, "why": "vLLM is not installed beside the plugin"}
+    assert "vllm_port_vllm" not in report["source"]["packages"]  # the bridge ran nothing here
+    md = (cpu_certified.report_dir / "report.md").read_text()
+    assert "## Inside vLLM\n\nNot run: vLLM is not installed beside the plugin." in md
+
+
+def test_vllm_require_without_vllm_is_an_error_before_the_suite_runs(capsys):
+    assert cli.main(["certify", "cpu", "--vllm", "require"]) == 2
+    err = capsys.readouterr().err
+    assert "--vllm require: vLLM is not installed beside the plugin" in err and "--vllm auto or skip" in err
+
+
+def _certified_report():
+    tests = [{"id": "test_ops::x", "state": "passed", "duration_s": 0.1, "message": ""}]
+    report = _minimal_failed()
+    report.update(
+        report_version=6,
+        tests=tests,
+        summary=certify._summary(tests),
+        selection=None,
+        vllm=inside_vllm.not_run(inside_vllm.UNDER_WAY),
+        verdict="certified",
+        reason="all 1 checks passed or waived",
+        timing={"started": "now", "total_s": 1.0},
+        plugin={"name": "cpu", "distribution": "vllm-port-cpu", "version": "0.1.0", "git": {}},
+    )
+    report["digest"] = certify.digest(report)
+    assert certify.verify(report) == []
+    return report
+
+
+#: what ``python -m vllm_port_vllm.check --json`` answers for a plugin whose rotary is off inside vLLM
+_FAILED_INSIDE_VLLM = {
+    "ok": False,
+    "vllm_version": "0.32.0",
+    "dtype": "float32",
+    "atol": 1e-5,
+    "rtol": 1e-5,
+    "modes": {
+        "eager": {
+            "ok": False,
+            "worst_prefill": 3.5,
+            "worst_decode": 0.2,
+            "requests": 4,
+            "equal_requests": 3,
+            "divergences": [{"request": 1, "step": 2, "alone": 7, "bridged": 9, "gap": 0.5, "tie_bound": 1e-4, "tie": False}],
+            "calls": {"rotary_embedding": 0, "rms_norm": 12},
+            "uncalled": ["rotary_embedding"],
+        },
+        "compiled": {"ok": True, "worst_prefill": 0.1, "worst_decode": 0.1, "requests": 4, "equal_requests": 4,
+                     "divergences": [], "calls": {"rotary_embedding": 8, "rms_norm": 12}, "uncalled": []},
+    },
+}  # fmt: skip
+
+
+def test_a_failure_inside_vllm_refuses_a_plugin_the_suite_passed(monkeypatch):
+    """The stage hands the bridge the suite's own certificate, and its failure makes the final report refuse."""
+    handed = []
+
+    def check(plugin, certificate):
+        handed.append((plugin, json.loads(certificate.read_text())))
+        return {"ran": True, **_FAILED_INSIDE_VLLM}
+
+    monkeypatch.setattr(inside_vllm, "run", check)
+    suite = _certified_report()
+    final = certify._inside_vllm(suite, "cpu", suite["device"], suite["tests"], suite["scope"], 0.0)
+    assert handed == [("cpu", suite)]  # a certificate of the suite's run, saying the stage is under way
+    assert final["verdict"] == "not certified" and final["vllm"]["ran"] and not final["vllm"]["ok"]
+    reason = final["reason"]
+    assert reason.startswith("the suite passed, but inside vLLM (the bridge against vLLM alone): eager: logprobs 3.5x")
+    assert "request 1 first differs at step 2" in reason and "bridged ops never called: rotary_embedding" in reason
+    assert "compiled" not in reason and final["timing"]["vllm_s"] >= 0
+    assert certify.verify(final) == []
+    assert "| eager | 3.5, 0.2 | 3/4 | request 1 step 2 gap 0.5 |" in "\n".join(certify._vllm_lines(final["vllm"]))
+
+
+def test_verify_rejects_a_certified_verdict_over_a_failure_inside_vllm():
+    report = _certified_report()
+    report["vllm"] = {"ran": True, **_FAILED_INSIDE_VLLM}
+    report["digest"] = certify.digest(report)
+    assert any("inconsistent" in p for p in certify.verify(report))
+    report["vllm"] = {"ran": True, "ok": False, "error": "the check inside vLLM exited 1: BridgeError"}
+    report["digest"] = certify.digest(report)
+    assert any("inconsistent" in p for p in certify.verify(report))
 
 
 @pytest.mark.parametrize("plugin", ["rocm", "xpu"])

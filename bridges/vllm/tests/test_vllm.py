@@ -2,9 +2,11 @@
 
 CI cannot install vLLM, so these skip unless ``$VLLM_PEER_VENV`` (default ``/work/vllm-peer``) holds
 a vLLM. They never change that venv: a session fixture makes a venv over it and this checkout's
-``.venv`` (``dev/vllm-bridge-venv``), and every vLLM process runs in there, on a tiny Llama 3.1 built with ``transformers`` (``llama3``
-rope scaling, GQA: 4 heads of 32 over 2 KV heads, 2 layers), in float32 so that the tolerances
-are those of float32 kernels.
+``.venv`` (``dev/vllm-bridge-venv``), and every vLLM process runs in there, on the check's tiny Llama
+3.1 (``vllm_port_vllm.check.tiny_llama``: ``llama3`` rope scaling, GQA: 4 heads of 32 over 2 KV heads,
+2 layers), in float32 so that the tolerances are those of float32 kernels. The CPU plugin is
+certified there (``vllm-port certify cpu --vllm require``), which runs the comparison with vLLM alone
+as the certification's last stage; that certificate is what the other tests hand the bridge.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 PEER = Path(os.environ.get("VLLM_PEER_VENV", "/work/vllm-peer"))
-REPORT = REPO / "docs" / "certification" / "cpu" / "report.json"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -38,42 +39,30 @@ def bridge_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def certificate(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The committed CPU report when it certifies this checkout's sources; otherwise that report made to
-    certify them (its sha256 recomputed and re-digested: the bridge's routing is under test here, the
-    certificate's checks in test_certificate.py)."""
-    out = tmp_path_factory.mktemp("cert") / "report.json"
-    code = (
-        "import json, sys; from vllm_port_conformance.certify import digest, source_digest, verify; "
-        "r = json.load(open(sys.argv[1])); s = source_digest(r['source']['packages']); "
-        "r['source'] = {**r['source'], **s} if s['sha256'] != r['source']['sha256'] else r['source']; "
-        "r['digest'] = digest(r); json.dump(r, open(sys.argv[2], 'w'))"
-    )
-    subprocess.run([str(bridge_python), "-c", code, str(REPORT), str(out)], check=True, timeout=120)
-    return out
+def certified(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``vllm-port certify cpu --vllm require`` in vLLM's environment: the suite, then the stage inside vLLM
+    (the tiny Llama in vLLM with the bridge against vLLM alone, eager and compiled); its report and folder."""
+    out = tmp_path_factory.mktemp("cert")
+    cmd = [str(bridge_python), "-m", "vllm_port.cli", "certify", "cpu", "--vllm", "require", "--report", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PLUGINS")}
+    done = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=3600)
+    assert (out / "report.json").is_file(), done.stdout[-3000:] + done.stderr[-3000:]
+    return {"report": json.loads((out / "report.json").read_text()), "path": out / "report.json", "done": done}
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def certificate(certified: dict) -> Path:
+    """The CPU plugin's certificate, made here inside vLLM: what the bridge asks for."""
+    assert certified["report"]["verdict"] == "certified", certified["report"]["reason"]
+    return certified["path"]
 
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64},
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # unit-scale weights: transformers' tiny init makes every layer nearly the identity
-        for name, p in model.named_parameters():
-            p.copy_(
-                torch.randn_like(p) * (0.3 if "norm" in name else p.shape[-1] ** -0.5) + (1 if "norm" in name else 0)
-            )
+
+@pytest.fixture(scope="session")
+def tiny_llama(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The check's own tiny Llama 3.1 (``vllm_port_vllm.check.tiny_llama``), built in vLLM's environment."""
     out = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(out, safe_serialization=True)
+    code = "import sys; from pathlib import Path; from vllm_port_vllm.check import tiny_llama; tiny_llama(Path(sys.argv[1]))"
+    subprocess.run([str(bridge_python), "-c", code, str(out)], check=True, timeout=300)
     return out
 
 
@@ -83,20 +72,31 @@ def _env(certificate: Path) -> dict[str, str]:
     return env
 
 
-def test_logits_match_vllm_alone_and_every_bridged_op_runs_eager_and_compiled(
-    bridge_python: Path, certificate: Path, tiny_llama: Path
+def test_certification_inside_vllm_matches_vllm_alone_and_calls_every_bridged_op_eager_and_compiled(
+    certified: dict, bridge_python: Path
 ) -> None:
-    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--model", str(tiny_llama), "--json"]
-    done = subprocess.run(cmd, env=_env(certificate), capture_output=True, text=True, timeout=3000)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines, done.stderr[-4000:]
-    report = json.loads(lines[-1])
+    """The stage inside vLLM, as ``vllm-port certify`` runs it: logprobs within the ops' tolerance of vLLM alone,
+    a differing greedy id only at a proven near-tie, every bridged op a Llama runs called, in both modes."""
+    report = certified["report"]
+    stage = report["vllm"]
+    assert stage["ran"] and stage["ok"], stage
+    assert stage["vllm_version"].startswith("0.32"), stage
     for mode in ("eager", "compiled"):
-        m = report["modes"][mode]
+        m = stage["modes"][mode]
         assert m["worst_prefill"] <= 1 and m["worst_decode"] <= 1, (mode, m)
         assert all(d["tie"] for d in m["divergences"]), (mode, m["divergences"])  # a differing id is a proven near-tie
         assert not m["uncalled"], (mode, m["calls"])  # every bridged op a Llama runs was called in vLLM
-    assert report["ok"], report
+        assert all(n > 0 for op, n in m["calls"].items() if op != "gelu_and_mul"), (mode, m["calls"])
+        assert all(p.startswith("cpu/") for ps in m["providers"].values() for p in ps), (mode, m["providers"])
+    assert report["verdict"] == "certified" and "vllm_port_vllm" in report["source"]["packages"]
+    assert "## Inside vLLM" in (certified["path"].parent / "report.md").read_text()
+    verified = subprocess.run(
+        [str(bridge_python), "-m", "vllm_port.cli", "certify", "--verify", str(certified["path"])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert verified.returncode == 0 and "source: the same as" in verified.stdout, verified.stdout + verified.stderr
 
 
 #: the bridged ops of attention: with ``VLLM_BRIDGE_KEEP=attention`` vLLM's own backend runs and none of them is called
@@ -104,12 +104,12 @@ _ATTENTION_OPS = {"reshape_and_cache", "prefill_attention", "paged_attention"}
 
 
 def test_a_kept_part_runs_on_vllms_kernels_and_the_rest_still_on_the_plugins(
-    bridge_python: Path, certificate: Path, tiny_llama: Path
+    bridge_python: Path, certificate: Path
 ) -> None:
     """``VLLM_BRIDGE_KEEP=attention``: the check finds exactly the attention ops uncalled, every other bridged op
     called, and the logits still within the tolerance of vLLM alone."""
     env = {**_env(certificate), "VLLM_BRIDGE_KEEP": "attention"}
-    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--model", str(tiny_llama), "--json"]
+    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--tiny-llama", "--json"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stderr[-4000:]
@@ -128,3 +128,27 @@ def test_without_a_certificate_vllm_refuses_to_start_naming_the_plugin(
     done = subprocess.run([str(bridge_python), "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     assert "BridgeError" in done.stderr and "plugin 'cpu'" in done.stderr and "has no certificate" in done.stderr
+
+
+def test_a_plugin_fresh_from_new_plugin_certifies_inside_vllm(bridge_python: Path, tmp_path: Path) -> None:
+    """What a vendor has on day one: ``vllm-port new-plugin`` (the reference ops and core's memory and comm, on the
+    host CPU), installed beside vLLM, certifies through the suite and then inside vLLM on its own kernels."""
+    from vllm_port.scaffold import new_plugin
+
+    package = new_plugin("vllmchip", tmp_path / "vllm-port-vllmchip").root
+    site = tmp_path / "site"
+    pip = [str(REPO / ".venv" / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, "--target", str(site), str(package)], check=True, timeout=600, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS",) and not k.startswith("VLLM_PORT_")}
+    env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="2")
+    out = tmp_path / "cert"
+    cmd = [str(bridge_python), "-m", "vllm_port.cli", "certify", "vllmchip", "--vllm", "require", "--report", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "certified", (report["reason"], done.stdout[-3000:], done.stderr[-3000:])
+    stage = report["vllm"]
+    assert stage["ran"] and stage["ok"], stage
+    for mode, m in stage["modes"].items():
+        assert not m["uncalled"] and all(d["tie"] for d in m["divergences"]), (mode, m)
+        ran = {provider for providers in m["providers"].values() for provider in providers}
+        assert ran and all(provider.startswith("vllmchip/") for provider in ran), (mode, m["providers"])

@@ -19,6 +19,11 @@ refuses the plugin as in a full run; a partial run that passes is still "not cer
 certificate needs the whole suite). The mutant catalogue is certified this way, each planted bug
 against the checks that must catch it.
 
+Where vLLM and the vLLM bridge are installed beside the plugin, a whole run that passes goes on to a
+last stage inside vLLM (:mod:`~vllm_port_conformance.inside_vllm`): a tiny Llama in vLLM with the
+bridge on the plugin's kernels against vLLM alone, logits within the ops' tolerances. Its result is
+the report's ``vllm`` field, and a failure there refuses the plugin (``--vllm skip|require``).
+
 Exit status: 0 certified (or report verified), 1 not certified (or report rejected),
 2 could not run (device absent, unknown plugin).
 """
@@ -44,6 +49,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from . import inside_vllm
 from .progress import PROGRESS_ENV, ProgressFile, ProgressLine
 from .recorder import CHECK_OPTION, DEVICES_OPTION, HYPOTHESIS_PROFILE, OUT_OF_SCOPE, RECORD_OPTION, SEED
 
@@ -66,8 +72,8 @@ STATES = ("passed", "failed", "error", "skipped", "waived", OUT_OF_SCOPE)
 VERDICTS = ("certified", "not certified", "could not run")
 #: 2: the source digest; 3: the scope, the first probe, every distribution in the digest; 4: the plugin's own
 #: commit (``plugin.git``), for plugins whose source lives outside vllm-port's repository; 5: the ``selection``
-#: of a partial run (``--check``; ``null`` for the whole suite)
-REPORT_VERSION = 5
+#: of a partial run (``--check``; ``null`` for the whole suite); 6: ``vllm``, the stage inside vLLM (ran or why not)
+REPORT_VERSION = 6
 REQUIRED_KEYS = (
     "report_version",
     "plugin",
@@ -89,6 +95,7 @@ REQUIRED_KEYS = (
 )
 REQUIRED_KEYS_V3 = ("scope", "probe")
 REQUIRED_KEYS_V5 = ("selection",)
+REQUIRED_KEYS_V6 = ("vllm",)
 #: what a version 4 report says about the plugin
 PLUGIN_KEYS_V4 = ("name", "distribution", "version", "git")
 #: the only checks a report may leave out of scope: those of comm that need a second device
@@ -368,8 +375,10 @@ def _verdict(
     tests: list[dict[str, Any]],
     scope: dict[str, Any] | None,
     selection: list[str] | None = None,
+    vllm: dict[str, Any] | None = None,
 ) -> tuple[str, str]:
-    """The verdict and its reason; ``selection``: the ``--check`` IDs of a partial run (never a certificate)."""
+    """The verdict and its reason; ``selection``: the ``--check`` IDs of a partial run (never a certificate);
+    ``vllm``: the stage inside vLLM (:mod:`.inside_vllm`), which refuses a plugin the suite passed."""
     if device.get("error"):
         return "not certified", f"the plugin did not load: {device['error']}"
     if not device.get("available"):
@@ -383,6 +392,12 @@ def _verdict(
         kinds = _summary(bad)
         said = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in kinds.items() if s != "total" and n)
         return "not certified", f"{said} (every required check must pass or be waived)"
+    failed_inside_vllm = inside_vllm.failure(vllm or {})
+    if failed_inside_vllm:
+        return (
+            "not certified",
+            f"the suite passed, but inside vLLM (the bridge against vLLM alone): {failed_inside_vllm}",
+        )
     if selection:
         return "not certified", (
             f"a partial run: the {len(tests)} checks selected by --check passed or were waived; "
@@ -523,18 +538,30 @@ def certify(
     devices: int | None = None,
     checks: list[str] | None = None,
     progress: ProgressLine | None = None,
+    vllm: str = "auto",
 ) -> dict[str, Any]:
     """Run the suite on ``plugin`` and return the report (with its digest).
 
     :param devices: certify for this many devices (``--devices``); every device found when ``None``.
     :param checks: ``--check`` IDs: a partial run of the checks whose id contains one of them.
     :param progress: where to show the checks done while the suite runs (``None``: nowhere).
+    :param vllm: the stage inside vLLM (one of :data:`.inside_vllm.MODES`): ``auto`` runs it where vLLM and
+        the bridge are installed, ``skip`` never, ``require`` refuses to start without them.
     :raises vllm_port.errors.SelectionError: when no installed plugin is called ``plugin``.
-    :raises ValueError: for a ``devices`` the platform cannot give, or a check that selects nothing.
+    :raises ValueError: for a ``devices`` the platform cannot give, a check that selects nothing, an unknown
+        ``vllm`` mode, or ``require`` where vLLM or the bridge is missing.
     """
     from vllm_port.discovery import discover
 
     _check_installed(plugin)
+    if vllm not in inside_vllm.MODES:
+        raise ValueError(f"--vllm {vllm!r}: say one of {', '.join(inside_vllm.MODES)}")
+    absent = inside_vllm.missing()
+    if vllm == "require" and absent:
+        raise ValueError(
+            f"--vllm require: {absent}; install vLLM and vllm-port-vllm beside the plugin (docs/vllm-bridge.md), "
+            "or certify without the stage inside vLLM (--vllm auto or skip)"
+        )
     start = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     found = discover(plugins=plugin)
@@ -557,6 +584,8 @@ def certify(
                 t["state"] = "waived"
     selection = list(checks) if checks else None
     verdict, reason = _verdict(device, tests, scope, selection)
+    stage_why = _why_not_inside_vllm(vllm, absent, verdict, selection)
+    packages = run_packages(plugin, found) + ([inside_vllm.BRIDGE_PACKAGE] if stage_why is None else [])
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "plugin": {
@@ -575,9 +604,7 @@ def certify(
             "python": host.python_version(),
         },
         "git": _git(),
-        "source": source_digest(
-            run_packages(plugin, found), [r.distribution for r in found.plugins if r.error is None]
-        ),
+        "source": source_digest(packages, [r.distribution for r in found.plugins if r.error is None]),
         "device": device,
         "scope": scope,
         "selection": selection,
@@ -596,11 +623,46 @@ def certify(
         "tolerances": _tolerances(),
         "waivers": [{"test": w.test, "reason": w.reason, "plugin": w.plugin or "*"} for w in waivers],
         "timing": {"started": started, "total_s": round(time.perf_counter() - start, 3)},
+        "vllm": inside_vllm.not_run(stage_why or inside_vllm.UNDER_WAY),
         "verdict": verdict,
         "reason": reason,
     }
     report["digest"] = digest(report)
+    if stage_why is None:
+        report = _inside_vllm(report, plugin, device, tests, scope, start)
     return report
+
+
+def _why_not_inside_vllm(mode: str, absent: str | None, verdict: str, selection: list[str] | None) -> str | None:
+    """Why the stage inside vLLM does not run after the suite's ``verdict``, or ``None`` when it runs."""
+    if mode == "skip":
+        return "--vllm skip"
+    if selection:
+        return "a partial run (--check)"
+    if verdict != "certified":
+        return f"the suite did not certify the plugin ({verdict})"
+    return absent
+
+
+def _inside_vllm(
+    report: dict[str, Any], plugin: str, device: dict[str, Any], tests: list[dict[str, Any]], scope: Any, start: float
+) -> dict[str, Any]:
+    """``report`` (a certificate of the suite's run) with the stage inside vLLM run on it: its ``vllm`` field,
+    verdict, timing and digest anew."""
+    stage_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        certificate = Path(tmp) / "report.json"
+        certificate.write_text(json.dumps(report))
+        result = inside_vllm.run(plugin, certificate)
+    final = {**report, "vllm": result}
+    final["verdict"], final["reason"] = _verdict(device, tests, scope, None, result)
+    final["timing"] = {
+        **report["timing"],
+        "vllm_s": round(time.perf_counter() - stage_start, 3),
+        "total_s": round(time.perf_counter() - start, 3),
+    }
+    final["digest"] = digest(final)
+    return final
 
 
 def verify(report: Any) -> list[str]:
@@ -609,6 +671,7 @@ def verify(report: Any) -> list[str]:
         return ["the report is not a JSON object"]
     required = REQUIRED_KEYS + (REQUIRED_KEYS_V3 if _version_of(report) >= 3 else ())
     required += REQUIRED_KEYS_V5 if _version_of(report) >= 5 else ()
+    required += REQUIRED_KEYS_V6 if _version_of(report) >= 6 else ()
     problems = [f"missing key {k!r}" for k in required if k not in report]
     if _version_of(report) >= 4:
         about = report.get("plugin") if isinstance(report.get("plugin"), dict) else {}
@@ -637,7 +700,10 @@ def verify(report: Any) -> list[str]:
     if scope is not None:
         problems += _scope_problems(device, scope)
     selection = report.get("selection") if _version_of(report) >= 5 else None
-    verdict, _ = _verdict(device, tests, scope, selection)
+    stage = report.get("vllm") if _version_of(report) >= 6 else None
+    if stage is not None and not isinstance(stage, dict):
+        return [*problems, "'vllm' is not an object"]
+    verdict, _ = _verdict(device, tests, scope, selection, stage)
     if report.get("verdict") != verdict:
         problems.append(f"verdict {report.get('verdict')!r} is inconsistent with the results ({verdict!r})")
     return problems
@@ -717,6 +783,7 @@ def render(report: dict[str, Any]) -> str:
         + "`; seeds: "
         + ", ".join(f"{k}={v}" for k, v in report["seeds"].items()),
         "",
+        *_vllm_lines(report.get("vllm")),
         "## Op coverage (checks passed / run, per provider and dtype)",
         "",
         "| op | provider | dtype | passed |",
@@ -750,6 +817,33 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _vllm_lines(stage: dict[str, Any] | None) -> list[str]:
+    """The report's section on the stage inside vLLM (nothing for a report before version 6)."""
+    if stage is None:
+        return []
+    lines = ["## Inside vLLM", ""]
+    if not stage.get("ran"):
+        return [*lines, f"Not run: {stage.get('why')}.", ""]
+    if stage.get("error"):
+        return [*lines, f"**FAIL**: {stage['error']}", ""]
+    lines += [
+        f"vLLM {stage.get('vllm_version', '?')}, a tiny Llama ({stage.get('dtype')}), the bridge on this plugin's "
+        f"kernels against vLLM alone; tolerance atol {stage.get('atol')}, rtol {stage.get('rtol')}: "
+        f"**{'PASS' if stage.get('ok') else 'FAIL'}**.",
+        "",
+        "| mode | worst logprob / tolerance (prompts, steps) | greedy ids equal | near-ties | bridged ops called |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for mode, m in sorted((stage.get("modes") or {}).items()):
+        ties = ", ".join(f"request {d['request']} step {d['step']} gap {d['gap']:.3g}" for d in m["divergences"])
+        calls = ", ".join(f"{op} {n}" for op, n in sorted(m["calls"].items()))
+        lines.append(
+            f"| {mode} | {m['worst_prefill']:.3g}, {m['worst_decode']:.3g} | {m['equal_requests']}/{m['requests']} "
+            f"| {ties or 'none'} | {calls} |"
+        )
+    return [*lines, ""]
+
+
 def _selection_lines(selection: list[str] | None) -> list[str]:
     if not selection:
         return []
@@ -781,10 +875,12 @@ def main(
     verify_path: str | None,
     devices: int | None = None,
     checks: list[str] | None = None,
+    vllm: str = "auto",
 ) -> int:
     """The ``vllm-port certify`` command; returns the exit status.
 
     :param checks: ``--check`` IDs (a partial run), or ``None``/empty for the whole suite.
+    :param vllm: the stage inside vLLM: ``auto``, ``skip`` or ``require`` (:data:`.inside_vllm.MODES`).
     """
     if verify_path is not None:
         try:
@@ -820,10 +916,11 @@ def main(
         argv += ["--waivers", waivers] if waivers else []
         argv += ["--devices", str(devices)] if devices is not None else []
         argv += [arg for check in checks or () for arg in ("--check", check)]
+        argv += ["--vllm", vllm] if vllm != "auto" else []
         argv += ["--json"] if as_json else []
         # on stderr: a terminal sees one line updated in place, a log a line now and then, stdout only the report
         progress = ProgressLine(f"certify {plugin}")
-        report = certify(plugin, Path(waivers) if waivers else None, argv, devices, checks, progress)
+        report = certify(plugin, Path(waivers) if waivers else None, argv, devices, checks, progress, vllm)
     except SelectionError as exc:  # an unknown PLUGIN, or a VLLM_PORT_* setting discovery refuses: said by exc
         print(f"error: {exc}", file=sys.stderr)
         return 2

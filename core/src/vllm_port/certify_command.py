@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="run only the checks whose id contains ID (repeatable): a partial run, never a certificate",
     )
+    parser.add_argument(
+        "--vllm",
+        choices=("auto", "skip", "require"),
+        default="auto",
+        help="the last stage, the plugin's kernels inside vLLM through the bridge against vLLM alone: run where vLLM "
+        "and vllm-port-vllm are installed (auto), never (skip), or refuse to certify without them (require)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,5 +66,12 @@ def run(args: argparse.Namespace) -> int:
         print("error: give either a PLUGIN to certify or --verify REPORT.json", file=sys.stderr)
         return 2
     return certify.main(
-        args.plugin, args.report, args.json, args.waivers, args.verify, devices=args.devices, checks=args.check
+        args.plugin,
+        args.report,
+        args.json,
+        args.waivers,
+        args.verify,
+        devices=args.devices,
+        checks=args.check,
+        vllm=args.vllm,
     )

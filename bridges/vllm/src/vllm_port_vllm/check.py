@@ -3,6 +3,11 @@
 Run in vLLM's environment, with the bridge and a certified plugin installed::
 
     VLLM_PORT_CERTIFICATE=cert/report.json python -m vllm_port_vllm.check --model DIR [--dtype float32] [--json]
+    VLLM_PORT_CERTIFICATE=cert/report.json python -m vllm_port_vllm.check --tiny-llama [--json]
+
+``--tiny-llama`` builds the model itself with ``transformers`` (a dependency of vLLM's): the Llama 3.1
+of :func:`tiny_llama`, random unit-scale weights. ``vllm-port certify`` runs it so as its last stage
+where vLLM and the bridge are installed (``vllm_port_conformance.inside_vllm``).
 
 For each mode (``eager``: ``enforce_eager``; ``compiled``: vLLM's torch.compile) two fresh vLLM
 processes run the same greedy requests, one with the bridge (``VLLM_PLUGINS`` unset) and one
@@ -30,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "main", "tolerance"]
+__all__ = ["compare", "main", "tiny_llama", "tolerance"]
 
 #: vLLM's settings for a small run on a shared CPU (the KV cache in GiB, no reserved core)
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_TARGET_DEVICE": "cpu"}
@@ -47,6 +52,33 @@ def tolerance(dtype: str) -> tuple[float, float]:
     want = getattr(torch, dtype)
     tols = [op.tolerances[want] for op in ALL_OPS if op.name in BRIDGED_OPS and want in op.tolerances]
     return max(t.atol for t in tols), max(t.rtol for t in tols)
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A tiny random Llama 3.1 saved in ``folder`` (config.json + safetensors): ``llama3`` rope scaling,
+    grouped-query attention (4 heads of 32 over 2 KV heads), 2 layers, float32.
+
+    The weights are unit-scale (transformers' own initialisation makes every layer nearly the identity,
+    which would compare nothing): the norms near 1, every matrix scaled by its fan-in.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            p.copy_(noise * 0.3 + 1 if "norm" in name else noise * p.shape[-1] ** -0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -73,7 +105,10 @@ def _worker(args: argparse.Namespace) -> None:
     def row(step: dict[int, Any]) -> list[float]:
         return [step[t].logprob for t in range(vocab)]
 
+    import vllm
+
     result = {
+        "vllm_version": vllm.__version__,
         "ids": [list(o.outputs[0].token_ids) for o in outs],
         "logprobs": [[row(s) for s in o.outputs[0].logprobs] for o in outs],
     }
@@ -103,15 +138,24 @@ def _run(args: argparse.Namespace, mode: str, bridged: bool, work: Path, score: 
     cmd += ["--score", str(score)] if score else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)  # noqa: S603
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+    if not lines:
         raise RuntimeError(
             f"vLLM ({mode}, {'with' if bridged else 'without'} the bridge) exited {done.returncode}: "
-            f"{(done.stderr or done.stdout)[-3000:]}"
+            f"{_root_cause(done.stderr or done.stdout)}"
         )
-    result = json.loads(lines[-1][len("RESULT ") :])
+    # vLLM's CPU build now and then aborts while its threads shut down ("terminate called without an active
+    # exception"), after the worker printed its whole result: the result stands, and the report shows the exit
+    result = {**json.loads(lines[-1][len("RESULT ") :]), "exit": done.returncode}
     if bridged:
         result["stats"] = json.loads(stats.read_text())["calls"] if stats.exists() else {}
     return result
+
+
+def _root_cause(said: str) -> str:
+    """What a failed vLLM process said that matters: the bridge's refusal where there is one (vLLM's engine core
+    reports it first, then its own "initialization failed" after it), else the end of its output."""
+    refusals = [line.strip() for line in said.splitlines() if "BridgeError: " in line]
+    return refusals[0] if refusals else said[-3000:]
 
 
 def _worst(a: list[float], b: list[float], atol: float, rtol: float) -> float:
@@ -158,7 +202,8 @@ def compare(alone: dict[str, Any], bridged: dict[str, Any], atol: float, rtol: f
                     "tie": a - b <= bound,
                 }
             )
-    calls = {op: sum(bridged.get("stats", {}).get(op, {}).values()) for op in BRIDGED_OPS}
+    stats = bridged.get("stats", {})
+    calls = {op: sum(stats.get(op, {}).values()) for op in BRIDGED_OPS}
     uncalled = sorted(op for op, n in calls.items() if op != "gelu_and_mul" and n <= 0)  # Llama has no GELU
     ok = worst_prefill <= 1 and worst_decode <= 1 and all(d["tie"] for d in divergences) and not uncalled
     return {
@@ -169,6 +214,7 @@ def compare(alone: dict[str, Any], bridged: dict[str, Any], atol: float, rtol: f
         "equal_requests": len(alone["ids"]) - len(divergences),
         "divergences": divergences,
         "calls": calls,
+        "providers": {op: sorted(stats.get(op, {})) for op in BRIDGED_OPS},  # "plugin/provider" that served it
         "uncalled": uncalled,
     }
 
@@ -183,7 +229,11 @@ def _prompts(model: str, count: int, length: int) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_port_vllm.check", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory (config.json + safetensors)")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a Hugging Face model directory (config.json + safetensors)")
+    model.add_argument(
+        "--tiny-llama", action="store_true", help="build a tiny random Llama 3.1 (tiny_llama) and run it"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -200,15 +250,27 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args)
         return 0
     atol, rtol = tolerance(args.dtype)
-    report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "atol": atol, "rtol": rtol, "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.tiny_llama:
+            args.model = str(tiny_llama(work / "tiny-llama"))
+        report: dict[str, Any] = {
+            "model": "tiny-llama" if args.tiny_llama else args.model,
+            "dtype": args.dtype,
+            "atol": atol,
+            "rtol": rtol,
+            "modes": {},
+        }
         (work / "prompts.json").write_text(json.dumps(_prompts(args.model, args.requests, args.prompt_len)))
         for mode in args.modes.split(","):
             alone = _run(args, mode, False, work, None)
             (work / "score.json").write_text(json.dumps(alone["scored"]))
             bridged = _run(args, mode, True, work, work / "score.json")
-            report["modes"][mode] = compare(alone, bridged, atol, rtol)
+            report["modes"][mode] = {
+                **compare(alone, bridged, atol, rtol),
+                "exits": {"alone": alone["exit"], "bridged": bridged["exit"]},
+            }
+            report["vllm_version"] = alone["vllm_version"]
     report["ok"] = all(m["ok"] for m in report["modes"].values())
     if args.json:
         print(json.dumps(report))
