@@ -131,6 +131,7 @@ def main() -> int:
                     )
                 runs.append(run)
             result["models"][name] = runs
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")  # before rendering: the data is kept
     text = render(result)
     Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
