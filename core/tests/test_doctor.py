@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from cpu_providers import cpu_provider
 from plugin_factory import healthy
 
 
@@ -41,7 +42,7 @@ def test_json_selects_cpu_lists_every_plugin_and_smoke_passes():
         )
         assert plugin["reason"]
     for name in ("rms_norm", "silu_and_mul"):
-        assert report["ops"][name]["provider"] == f"cpu_{name}"
+        assert report["ops"][name]["provider"] == cpu_provider(name)
         assert {"provider": f"cpu_{name}", "plugin": "cpu", "platform": "cpu", "priority": 10} in report["ops"][name][
             "candidates"
         ]

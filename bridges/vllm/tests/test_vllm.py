@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[3]
 PEER = Path(os.environ.get("VLLM_PEER_VENV", "/work/vllm-peer"))
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("vllm-peer"),  # one worker: its session fixtures (the venv, the certificate) made once
     pytest.mark.skipif(
         not (PEER / "bin" / "python").exists()
         or not list((PEER / "lib").glob("python3*/site-packages/vllm/__init__.py")),

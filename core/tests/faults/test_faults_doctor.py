@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cpu_providers import cpu_provider
 from faulty_plugins import adapter
 from plugin_factory import healthy
 
@@ -46,13 +47,13 @@ def report(tmp_path_factory):
 @pytest.mark.parametrize("op", sorted(MIX))
 def test_doctor_marks_each_faulty_provider_failed_and_shows_what_serves_instead(report, op):
     info = report["ops"][op]
-    assert info["provider"] == f"cpu_{op}"  # bfloat16's binding: the next candidate
+    assert info["provider"] == cpu_provider(op)  # bfloat16's binding: the next candidate
     assert {f["dtype"] for f in info["failed"]} == {"float32", "bfloat16", "float16"}
     failed = info["failed"][0]
-    assert (failed["provider"], failed["plugin"], failed["instead"]) == (f"zf_{op}", "zfaulty", f"cpu_{op}")
+    assert (failed["provider"], failed["plugin"], failed["instead"]) == (f"zf_{op}", "zfaulty", cpu_provider(op))
     assert MIX[op][1] in failed["reason"]
     assert report["smoke"][op].startswith(f"FAIL: zf_{op} (zfaulty) torch.float32: on sample ")
-    assert report["smoke"][op].endswith(f"; serves instead: cpu_{op}")
+    assert report["smoke"][op].endswith(f"; serves instead: {cpu_provider(op)}")
 
 
 def test_doctor_warns_about_a_slow_provider_and_keeps_it(report):
@@ -71,7 +72,7 @@ def test_doctor_text_and_verdict(report):
     assert report["memory"]["allocator"] and report["comm"]["served_by"]["collectives"] == "torch.distributed"
     text = render(report)
     assert "! failed: zf_rms_norm (zfaulty) float32: on sample 'small': raised RuntimeError" in text
-    assert "-> cpu_rms_norm serves instead" in text and "! slow: zf_rotary_embedding" in text
+    assert f"-> {cpu_provider('rms_norm')} serves instead" in text and "! slow: zf_rotary_embedding" in text
     assert "Fallbacks (what vllm-port replaced on its own; strict mode refuses each):" in text
     assert text.endswith("NOT OK")
     assert len(report["strict_problems"]) == len(MIX) * 3  # each failed provider, in each dtype

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from cpu_providers import cpu_provider
 
 import vllm_port
 from vllm_port import LLM, SamplingParams
@@ -34,7 +35,7 @@ def test_debug_mode_quarantines_the_provider_and_every_request_finishes_right(
     monkeypatch.setenv("VLLM_PORT_CHECK_DIR", str(tmp_path))
     outputs, llm = generate(runtime)
     assert outputs == healthy_outputs()
-    assert llm.runner.provider_per_op["rms_norm"] == "cpu_rms_norm"
+    assert llm.runner.provider_per_op["rms_norm"] == cpu_provider("rms_norm")
     assert "provider 'zf_rms_norm' of plugin 'zfaulty'" in llm.runner.ops.fallbacks[0]
     assert len(list(tmp_path.glob("rms_norm-zf_rms_norm-*.json"))) == 1
 
@@ -44,7 +45,7 @@ def test_without_debug_mode_a_raising_provider_stops_the_run_naming_it(faulty_ru
         ProviderError, match=r"op 'rms_norm': provider 'zf_rms_norm' of plugin 'zfaulty' raised"
     ) as caught:
         generate(faulty_runtime("raises"))
-    assert "VLLM_PORT_OP_PROVIDERS=rms_norm=cpu_rms_norm" in str(caught.value)
+    assert f"VLLM_PORT_OP_PROVIDERS=rms_norm={cpu_provider('rms_norm')}" in str(caught.value)
 
 
 def test_strict_debug_mode_stops_instead_of_quarantining(faulty_runtime, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from cpu_providers import cpu_provider
 
 import vllm_port
 from vllm_port import LLM, SamplingParams
@@ -80,7 +81,7 @@ def test_debug_mode_re_runs_the_step_and_names_the_op(faulty_runtime, fault, mod
         "reference" in error.error
     )
     assert "got nan" in error.error and error.error.endswith("; quarantined")
-    assert llm.runner.provider_per_op[op] == f"cpu_{op}"
+    assert llm.runner.provider_per_op[op] == cpu_provider(op)
 
 
 def test_a_row_of_nan_ends_only_its_request_and_its_blocks_are_not_cached(faulty_runtime):

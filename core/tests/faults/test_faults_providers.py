@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from cpu_providers import cpu_provider
 
 from vllm_port import cli
 from vllm_port.errors import OpInputError, ProviderError, StrictModeError
@@ -40,7 +41,7 @@ def inputs(rows: int = 3, dtype: torch.dtype = torch.float32) -> tuple[torch.Ten
 def test_verify_skips_a_faulty_provider_for_the_next_candidate_and_strict_refuses(faulty_runtime, fault):
     runtime = faulty_runtime(fault)
     kernels = runtime.bind(torch.float32, verify=True, check=False)
-    assert kernels.providers["rms_norm"].name == "cpu_rms_norm"
+    assert kernels.providers["rms_norm"].name == cpu_provider("rms_norm")
     ((bad, why),) = kernels.skipped["rms_norm"]
     assert (bad.name, bad.plugin) == ("zf_rms_norm", "zfaulty")
     assert why.startswith("on sample 'small': ") and SAID[fault] in why
@@ -62,7 +63,10 @@ def test_without_debug_mode_a_bound_op_is_the_bare_provider_and_blame_names_it(f
     assert (
         "op 'rms_norm': provider 'zf_rms_norm' of plugin 'zfaulty' raised RuntimeError: kernel launch failed" in message
     )
-    assert "VLLM_PORT_OP_PROVIDERS=rms_norm=cpu_rms_norm" in message and "VLLM_PORT_PLUGINS=-zfaulty" in message
+    assert (
+        f"VLLM_PORT_OP_PROVIDERS=rms_norm={cpu_provider('rms_norm')}" in message
+        and "VLLM_PORT_PLUGINS=-zfaulty" in message
+    )
     assert (caught.value.op, caught.value.provider, caught.value.plugin) == ("rms_norm", "zf_rms_norm", "zfaulty")
     assert isinstance(caught.value.__cause__, RuntimeError)
 
@@ -89,11 +93,13 @@ def test_debug_mode_quarantines_at_the_first_fault_and_answers_with_the_next_can
     with caplog.at_level(logging.WARNING, logger="vllm_port.check"):
         got = kernels.rms_norm(x, w, 1e-6)
     torch.testing.assert_close(got, rms_norm.reference(x, w, 1e-6))  # the call itself was answered right
-    assert kernels.providers["rms_norm"].name == "cpu_rms_norm"
+    assert kernels.providers["rms_norm"].name == cpu_provider("rms_norm")
     assert SAID_AT_RUN[fault] in quarantined(bad)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "op 'rms_norm': provider 'zf_rms_norm' of plugin 'zfaulty'" in warning and "Quarantined" in warning
-    assert "'cpu_rms_norm' serves op 'rms_norm' instead" in warning and "vllm-port check-repro" in warning
+    assert (
+        f"'{cpu_provider('rms_norm')}' serves op 'rms_norm' instead" in warning and "vllm-port check-repro" in warning
+    )
     (repro,) = tmp_path.glob("*.json")
     record = json.loads(repro.read_text())
     assert (record["op"], record["provider"], record["plugin"], record["dtype"]) == (
@@ -105,7 +111,7 @@ def test_debug_mode_quarantines_at_the_first_fault_and_answers_with_the_next_can
     assert record["command"] == f"vllm-port check-repro {repro}"
     # later binds in this process skip the quarantined provider, and say why
     later = runtime.bind(torch.float32, check=False)
-    assert later.providers["rms_norm"].name == "cpu_rms_norm"
+    assert later.providers["rms_norm"].name == cpu_provider("rms_norm")
     assert "op 'rms_norm'" in later.skipped["rms_norm"][0][1]
 
 
@@ -117,7 +123,7 @@ def test_debug_mode_checks_every_calls_metadata_and_samples_values(faulty_runtim
     assert kernels.rms_norm.compared == 1 and kernels.providers["rms_norm"].name == "zf_rms_norm"
     x, w = inputs(rows=4)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), rms_norm.reference(x, w, 1e-6))
-    assert kernels.providers["rms_norm"].name == "cpu_rms_norm"  # a call not compared, caught by its shape
+    assert kernels.providers["rms_norm"].name == cpu_provider("rms_norm")  # a call not compared, caught by its shape
     assert "returned shape (3, 32), expected (4, 32)" in kernels.fallbacks[-1]
 
 
@@ -130,7 +136,7 @@ def test_debug_mode_restores_in_place_arguments_before_the_next_candidate_runs(f
     want_residual = residual.clone()
     want = fused_add_rms_norm.reference(x, want_residual, w, 1e-6)
     got = kernels.fused_add_rms_norm(x, residual, w, 1e-6)
-    assert kernels.providers["fused_add_rms_norm"].name == "cpu_fused_add_rms_norm"
+    assert kernels.providers["fused_add_rms_norm"].name == cpu_provider("fused_add_rms_norm")
     assert "residual (written in place)" in kernels.fallbacks[0]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(residual, want_residual)  # added once, by the provider that served the call
@@ -157,7 +163,7 @@ def test_which_calls_debug_mode_compares_follows_the_seed(faulty_runtime, tmp_pa
         kernels = runtime.bind(torch.float32, check=CheckConfig(rate=0.25, seed=seed, directory=tmp_path))
         kernels.providers["rms_norm"] = runtime.bind(torch.float32, check=False).providers["rms_norm"]
         checked = kernels.rms_norm
-        checked.provider = checked.candidates[1]  # cpu_rms_norm: no sleeping
+        checked.provider = checked.candidates[1]  # the CPU plugin's: no sleeping
         picked = []
         for i in range(80):
             before = checked.compared
