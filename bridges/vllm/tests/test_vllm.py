@@ -87,7 +87,6 @@ def test_certification_inside_vllm_matches_vllm_alone_and_calls_every_bridged_op
         assert m["worst_prefill"] <= 1 and m["worst_decode"] <= 1, (mode, m)
         assert all(d["tie"] for d in m["divergences"]), (mode, m["divergences"])  # a differing id is a proven near-tie
         assert not m["uncalled"], (mode, m["calls"])  # every bridged op a Llama runs was called in vLLM
-        assert all(n > 0 for op, n in m["calls"].items() if op != "gelu_and_mul"), (mode, m["calls"])
         assert all(p.startswith("cpu/") for ps in m["providers"].values() for p in ps), (mode, m["providers"])
     assert report["verdict"] == "certified" and "vllm_port_vllm" in report["source"]["packages"]
     assert "## Inside vLLM" in (certified["path"].parent / "report.md").read_text()

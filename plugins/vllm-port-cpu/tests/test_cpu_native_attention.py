@@ -165,18 +165,6 @@ def _bound(dtype: torch.dtype) -> dict[str, str]:
     return {op: chosen[op].name for op in ("paged_attention", "prefill_attention")}
 
 
-@pytest.fixture
-def fresh_state(monkeypatch, tmp_path):
-    """The module as in a new process, building into an empty cache directory."""
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "status", "not built yet")
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    native._library_name.cache_clear()
-    yield tmp_path
-    native._library_name.cache_clear()
-
-
 @pytest.mark.slow
 @needs_kernels
 def test_builds_once_into_the_cache_directory_and_binds_above_the_torch_providers(fresh_state):

@@ -197,12 +197,8 @@ def _bound(dtype):
 
 
 @pytest.fixture
-def switched_off(monkeypatch, tmp_path):
+def switched_off(fresh_state, monkeypatch):
     """The module as in a new process with ``VLLM_PORT_CPU_NATIVE=0``."""
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "status", "not built yet")
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(native.ENV_SWITCH, "0")
 
 

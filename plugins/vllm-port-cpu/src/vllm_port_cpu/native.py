@@ -65,6 +65,8 @@ CACHE_ENV = "VLLM_PORT_CACHE_DIR"
 PRIVATE_DIR = "cpu-native"
 HASH_SUFFIX = ".sha256"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "elementwise.c"))
+#: What the sources include: the dtype and error codes and float16 support they share (in the build's hash too).
+HEADERS = (Path(__file__).with_name("csrc") / "native.h",)
 COMPILERS = ("cc", "gcc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 #: Above the torch providers (10).
@@ -75,13 +77,16 @@ BUILD_TIMEOUT_S = 120
 status = "not built yet (builds at first use)"
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: csrc/native.h's code for a rotary position outside the table (the provider names the position itself)
+ERR_POSITION = 6
+#: csrc/native.h's error codes, as messages
 _ERRORS = {
     1: "this build of the kernel has no float16 support",
     2: "a seq_lens entry is negative or longer than its block_tables row holds (columns * block_size)",
     3: "a block_tables entry a sequence uses is outside [0, num_blocks) of the caches",
     4: "cu_seqlens_q must start at 0, never decrease, and end at most at the query's token count",
     5: "out of memory for the kernel's scratch buffers",
-    6: "a positions entry is outside [0, max_position) of cos_sin_cache",
+    ERR_POSITION: "a positions entry is outside [0, max_position) of cos_sin_cache",
     7: "cos_sin_cache's rotary_dim must be even and at most 2048",
 }
 log = logging.getLogger(__name__)
@@ -190,7 +195,7 @@ def _library_name(compiler: str) -> str:
     except (OSError, subprocess.SubprocessError):
         version = ""
     key = hashlib.sha256()
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     for part in (*sources, compiler.encode(), version.encode(), " ".join(FLAGS).encode()):
         key.update(part)
         key.update(b"\0")

@@ -180,7 +180,7 @@ def rotary_embedding(
         _CODES[query.dtype],
         torch.get_num_threads(),
     )
-    if code == 6:  # nothing was written: every position is checked first
+    if code == native.ERR_POSITION:  # nothing was written: every position is checked first
         rows = cos_sin_cache.shape[0]
         bad = int(((positions < 0) | (positions >= rows)).nonzero()[0, 0])
         raise OpInputError(

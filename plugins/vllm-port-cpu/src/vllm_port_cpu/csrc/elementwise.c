@@ -32,16 +32,7 @@
 #include <immintrin.h>
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-/* Error codes, mapped to messages by vllm_port_cpu.native. */
-enum { OK = 0, ERR_DTYPE = 1, ERR_POSITION = 6, ERR_ROTARY_DIM = 7 };
-
-#if defined(__FLT16_MAX__)
-#define HAVE_F16 1
-typedef _Float16 f16_t;
-#else
-#define HAVE_F16 0
-#endif
+#include "native.h"
 
 /* Features per float32 buffer: a few of them stay in L1. */
 #define CHUNK 512

@@ -30,24 +30,7 @@
 #include <immintrin.h>
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-/* Error codes, mapped to messages by vllm_port_cpu.native. */
-enum {
-    OK = 0,
-    ERR_DTYPE = 1,       /* dtype not built in (float16 without compiler support) */
-    ERR_SEQ_LEN = 2,     /* seq_len < 0 or more tokens than its block-table row holds */
-    ERR_BLOCK = 3,       /* a block-table entry the sequence uses is outside [0, num_blocks) */
-    ERR_QUERY_LENS = 4,  /* cu_seqlens_q not non-decreasing from 0, or past the query's tokens */
-    ERR_MEMORY = 5,      /* scratch allocation failed */
-};
-
-#if defined(__FLT16_MAX__)
-#define HAVE_F16 1
-typedef _Float16 f16_t;
-#else
-#define HAVE_F16 0
-#endif
+#include "native.h"
 
 /* Keys per chunk of the online softmax: scores for a chunk stay in L1 for every query row. */
 #define KEY_CHUNK 64
