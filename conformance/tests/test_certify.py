@@ -73,11 +73,45 @@ def test_the_report_carries_a_digest_of_the_sources_it_ran(cpu_certified):
     assert other["sha256"] != source["sha256"]  # another plugin's package instead
 
 
+def test_the_source_digest_covers_every_file_of_a_package_but_bytecode(tmp_path, monkeypatch):
+    """A native source or a data file changes what ran as surely as Python does; bytecode does not."""
+    package = tmp_path / "chipkernels"
+    (package / "csrc").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "csrc" / "kernel.c").write_text("int add(int a, int b) { return a + b; }\n")
+    (package / "configs.json").write_text("{}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = certify.source_digest(["chipkernels"])
+    assert first["packages"] == ["chipkernels"] and first["files"] == 3
+
+    (package / "__pycache__").mkdir()
+    (package / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"bytecode")
+    (package / "csrc" / "kernel.pyc").write_bytes(b"bytecode")
+    assert certify.source_digest(["chipkernels"]) == first
+
+    for edited in ("csrc/kernel.c", "configs.json"):
+        before = (package / edited).read_text()
+        (package / edited).write_text(before + " ")
+        assert certify.source_digest(["chipkernels"])["sha256"] != first["sha256"], f"{edited} is outside the digest"
+        (package / edited).write_text(before)
+    assert certify.source_digest(["chipkernels"]) == first
+
+
+def test_verify_says_an_older_reports_source_digest_cannot_be_compared(tmp_path, capsys):
+    report = _certified_report()
+    report.update(report_version=6, source={"packages": ["vllm_port"], "distributions": [], "files": 1, "sha256": "0"})
+    report["digest"] = certify.digest(report)
+    code, out = _verify(tmp_path, report, capsys)
+    assert code == 0 and "report verified" in out
+    assert "source: not comparable: report version 6 hashed only the packages' .py files" in out
+    assert "certify again" in out
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group(CPU_CERTIFICATION)
 def test_a_full_scope_report_and_the_first_probe(cpu_certified):
     report = cpu_certified.report
-    assert report["report_version"] == certify.REPORT_VERSION == 6
+    assert report["report_version"] == certify.REPORT_VERSION == 7
     assert report["selection"] is None  # the whole suite ran
     assert report["scope"] == {
         "devices": 1,
@@ -226,7 +260,7 @@ def _certified_report():
     tests = [{"id": "test_ops::x", "state": "passed", "duration_s": 0.1, "message": ""}]
     report = _minimal_failed()
     report.update(
-        report_version=6,
+        report_version=7,
         tests=tests,
         summary=certify._summary(tests),
         selection=None,

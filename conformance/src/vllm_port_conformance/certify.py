@@ -72,8 +72,11 @@ STATES = ("passed", "failed", "error", "skipped", "waived", OUT_OF_SCOPE)
 VERDICTS = ("certified", "not certified", "could not run")
 #: 2: the source digest; 3: the scope, the first probe, every distribution in the digest; 4: the plugin's own
 #: commit (``plugin.git``), for plugins whose source lives outside vllm-port's repository; 5: the ``selection``
-#: of a partial run (``--check``; ``null`` for the whole suite); 6: ``vllm``, the stage inside vLLM (ran or why not)
-REPORT_VERSION = 6
+#: of a partial run (``--check``; ``null`` for the whole suite); 6: ``vllm``, the stage inside vLLM (ran or why not);
+#: 7: the source digest covers every file of the packages (native sources, data), not only their ``.py``
+REPORT_VERSION = 7
+#: the first version whose source digest :func:`source_digest` computes today; older ones cannot be compared
+SOURCE_DIGEST_SINCE = 7
 REQUIRED_KEYS = (
     "report_version",
     "plugin",
@@ -266,12 +269,15 @@ def run_packages(plugin: str, discovery: Any = None) -> list[str]:
 
 
 def source_digest(packages: Iterable[str], distributions: Iterable[str] = ()) -> dict[str, Any]:
-    """sha256 over the Python sources of ``packages`` (see :func:`run_packages`), by relative path.
+    """sha256 over every file of ``packages`` (see :func:`run_packages`), by relative path.
 
     It ties a report to code where git cannot (a copied tree): anyone can compute it from a
-    checkout with the packages installed and compare. A single-module distribution counts as its
-    one file. ``distributions`` (the plugins' own, from discovery) are listed beside those that
-    the installed metadata names as owners of the packages.
+    checkout with the packages installed and compare. Every file a package holds counts, not only
+    its Python: a native source it compiles at first use (the CPU plugin's ``csrc/``), a kernel
+    configuration or the waivers file changes what ran as surely as a ``.py`` does. Only bytecode
+    (``__pycache__``, ``*.pyc``) is left out, since the interpreter writes it. A single-module
+    distribution counts as its one file. ``distributions`` (the plugins' own, from discovery) are
+    listed beside those that the installed metadata names as owners of the packages.
     """
     sha, files, hashed, dists = hashlib.sha256(), 0, [], set(distributions)
     owners = metadata.packages_distributions()
@@ -284,7 +290,7 @@ def source_digest(packages: Iterable[str], distributions: Iterable[str] = ()) ->
             continue
         origin = Path(spec.origin)
         if spec.submodule_search_locations:
-            paths = [(f"{package}/{p.relative_to(origin.parent).as_posix()}", p) for p in origin.parent.rglob("*.py")]
+            paths = [(f"{package}/{p.relative_to(origin.parent).as_posix()}", p) for p in _package_files(origin.parent)]
         else:
             paths = [(origin.name, origin)]
         for name, path in sorted(paths):
@@ -293,6 +299,15 @@ def source_digest(packages: Iterable[str], distributions: Iterable[str] = ()) ->
         hashed.append(package)
         dists.update(owners.get(package, []))
     return {"packages": hashed, "distributions": sorted(dists), "files": files, "sha256": sha.hexdigest()}
+
+
+def _package_files(root: Path) -> list[Path]:
+    """The files under a package's directory that its source digest covers: all but bytecode."""
+    return [
+        p
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix != ".pyc" and "__pycache__" not in p.relative_to(root).parts
+    ]
 
 
 def _fingerprint(record) -> dict[str, Any]:
@@ -852,7 +867,8 @@ def _selection_lines(selection: list[str] | None) -> list[str]:
 
 
 def _commit_text(git: dict[str, Any]) -> str:
-    return f"{git['commit']} (dirty: {git['dirty']}" + (f"; from {git['from']}" if "from" in git else "") + ")"
+    commit, dirty = git.get("commit", "not recorded"), git.get("dirty", "not recorded")
+    return f"{commit} (dirty: {dirty}" + (f"; from {git['from']}" if "from" in git else "") + ")"
 
 
 def _scope_line(scope: dict[str, Any], found: int) -> str:
@@ -900,8 +916,14 @@ def main(
         if isinstance(about.get("git"), dict):
             print(f"plugin: {about['distribution']} {about['version']} at commit {_commit_text(about['git'])}")
         here = source_digest(loaded["source"]["packages"])["sha256"]
-        same = here == loaded["source"]["sha256"]
-        print(f"source: {'the same as' if same else 'differs from'} the packages installed here (sha256 {here})")
+        if _version_of(loaded) < SOURCE_DIGEST_SINCE:
+            print(
+                f"source: not comparable: report version {_version_of(loaded)} hashed only the packages' .py files"
+                f" (since version {SOURCE_DIGEST_SINCE} every file counts); certify again to tie it to these sources"
+            )
+        else:
+            same = here == loaded["source"]["sha256"]
+            print(f"source: {'the same as' if same else 'differs from'} the packages installed here (sha256 {here})")
         return 0
     if not plugin:
         print(
