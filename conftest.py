@@ -110,11 +110,34 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         group._addoption(*flags, action="store", dest=f"absent_xdist_{flags[-1].lstrip('-')}", help="ignored")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, whose group suffix this one makes good
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules holding a ``slow`` test first, each module's tests in their order (so its fixtures are set up once).
 
     pytest-xdist hands out tests in this order: a long test left to the end would run alone on one
-    worker while the others sit idle.
+    worker while the others sit idle. On a worker of a ``--dist loadgroup`` run, each test of an
+    ``xdist_group`` also gets its group in its id (:func:`_name_xdist_groups`).
     """
     slow_modules = {getattr(item, "module", None) for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: getattr(item, "module", None) not in slow_modules)
+    if getattr(config.option, "loadgroup", False):  # set on pytest-xdist's workers only
+        _name_xdist_groups(items)
+
+
+def _name_xdist_groups(items: list[pytest.Item]) -> None:
+    """Append ``@group`` to the id of every test marked ``xdist_group``, as pytest-xdist means to.
+
+    ``--dist loadgroup`` sends the tests whose ids end in one ``@group`` to one worker. pytest-xdist
+    3.8 writes the suffix to ``item._nodeid``, which pytest 9.2 no longer reads (an item's id is
+    ``item._id``): every group was split across the workers, and a worker needing a shared run
+    (a certification, the wheels) sat idle while another made it (about 150 s of a 670 s run).
+    The ids the workers report are the ones the scheduler groups by, so the suffix goes there.
+    """
+    from _pytest.nodeid import NodeId  # pytest >= 9.2; before it, pytest-xdist's own suffix works
+
+    for item in items:
+        groups = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        if groups and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")

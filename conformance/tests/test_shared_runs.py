@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from certify_helpers import HERE
 from shared_runs import OncePerRun
 
@@ -72,3 +73,17 @@ def test_without_xdist_the_run_lives_in_this_sessions_basetemp(tmp_path, monkeyp
     assert once("k", lambda folder: calls.append(folder) or len(calls)) == 1
     assert once("k", lambda folder: calls.append(folder) or len(calls)) == 1  # kept, not made again
     assert len(calls) == 1 and calls[0].parent == tmp_path / "once-per-run"
+
+
+@pytest.mark.xdist_group("shared-runs-group-id")
+def test_under_loadgroup_a_grouped_test_carries_its_group_in_its_id(request: pytest.FixtureRequest) -> None:
+    """What keeps a shared run's readers on one worker: ``--dist loadgroup`` groups tests by the ``@group`` of their id.
+
+    pytest-xdist 3.8's own suffix no longer reaches the id under pytest 9.2; conftest.py writes it.
+    Without it every group is split and workers wait on each other's shared runs.
+    """
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not a worker of a pytest-xdist --dist loadgroup run (-n 0 runs here)")
+    assert request.node.nodeid.endswith(
+        "::test_under_loadgroup_a_grouped_test_carries_its_group_in_its_id@shared-runs-group-id"
+    )
