@@ -133,11 +133,12 @@ def _name_xdist_groups(items: list[pytest.Item]) -> None:
     (a certification, the wheels) sat idle while another made it (about 150 s of a 670 s run).
     The ids the workers report are the ones the scheduler groups by, so the suffix goes there.
     """
-    from _pytest.nodeid import NodeId  # pytest >= 9.2; before it, pytest-xdist's own suffix works
-
     for item in items:
-        groups = sorted(
-            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
-        )
-        if groups and "@" not in item.nodeid:
-            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+        groups = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")
+        }
+        if not groups or "@" in item.nodeid:  # before pytest 9.2, pytest-xdist's own suffix is there
+            continue
+        from _pytest.nodeid import NodeId  # pytest >= 9.2, where the id is ``item._id``
+
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(groups))}")

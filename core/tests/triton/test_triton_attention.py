@@ -149,29 +149,6 @@ def test_merge_of_more_splits_than_one_chunk():
     assert paged_attention.check(fn, args, torch.float32) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_last_split_merges_the_partials_in_the_decode_kernel_itself(dtype, monkeypatch):
-    """``decode_fused_merge``: one launch; past ``_FUSED_MERGE_CHUNK`` splits, empty splits, windows, caps, GQA groups."""
-    import vllm_port.kernels.triton.attention as attention
-
-    def second_launch(*args, **kwargs):
-        raise AssertionError("the merge kernel was launched although the decode kernel merges")
-
-    monkeypatch.setattr(attention, "_merge_splits_kernel", second_launch)
-    k = kernels(dataclasses.replace(NATIVE, decode_fused_merge=True))
-    cases = [  # (seq_lens, heads, kv_heads, window, cap, splits)
-        ([1, 3, 70, 129], 8, 2, 0, 0.0, 5),
-        ([1, 3, 70, 129], 8, 2, 23, 0.0, 3),
-        ([40, 300], 7, 1, 0, 20.0, attention._FUSED_MERGE_CHUNK + 7),  # a group of 7, two chunks of splits
-        ([0, 17], 4, 4, 0, 0.0, 2),  # an empty sequence
-    ]
-    for seq_lens, heads, kv_heads, window, cap, splits in cases:
-        args = _decode_case(dtype, seq_lens, heads, kv_heads, window=window, cap=cap, seed=splits)
-        fn = lambda *a, s=splits: k._decode(*a, num_splits=s)  # noqa: E731
-        assert paged_attention.check(fn, args, dtype) is None, (seq_lens, heads, kv_heads, window, cap, splits)
-        assert torch.equal(fn(*args), fn(*args)), "the merge is not deterministic"
-
-
 def test_a_sliding_window_caps_the_splits(monkeypatch):
     """Splits share the keys a query can see: with a window, the window's tiles, not the whole table's."""
     import vllm_port.kernels.triton.attention as attention

@@ -101,9 +101,6 @@ class TritonTarget:
         decode_programs_per_sm: decode splits each sequence's keys (flash-decoding) until about this
             many programs per multiprocessor run; more keep more loads in flight at small batch.
         decode_min_tiles_per_split: the fewest key tiles a split streams (its partial is merged after).
-        decode_fused_merge: the split of a sequence's KV head that finishes last merges the partials
-            (an acquire-release counter in global memory) instead of a second kernel: one launch a
-            decode step's attention, not two. Needs ordered global atomics (measured on CUDA only).
         decode_tma: decode loads K/V tiles with TMA descriptors where every key tile lies inside one
             cache block (as ``prefill_tma``). Needs the tensor memory accelerator (sm_90+).
         prefill_tma: prefill loads K/V tiles with TMA descriptors where every key tile lies inside one
@@ -143,7 +140,6 @@ class TritonTarget:
     decode_stages: int = 0
     decode_programs_per_sm: int = 4
     decode_min_tiles_per_split: int = 4
-    decode_fused_merge: bool = False
     decode_tma: bool = False
     prefill_tma: bool = False
     prefill_order: str = "head"

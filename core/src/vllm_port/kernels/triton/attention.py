@@ -13,14 +13,9 @@ Decode (:meth:`AttentionKernels.paged_attention`)
     memory bound: the work is streaming K/V; the padded rows cost tensor-core time nobody waits for.
     When ``num_seqs * num_kv_heads`` programs are too few to fill the GPU, the key range is also
     split ``num_splits`` ways (flash-decoding): each split writes an unnormalised partial
-    (``acc, m, l``) and a second kernel merges them, or, where the target says so
-    (``decode_fused_merge``), the split that finishes last merges its KV head's partials itself: each
-    split counts itself done on a counter of its ``(sequence, KV head)`` (an atomic, acquire-release,
-    after the partial is stored), and the one that sees every other split counted reads theirs. One
-    launch instead of two; the counters are zeroed for each launch, so nothing carries over between
-    launches or streams. The number of splits is chosen on the host from shapes only; each program
-    then divides *its own* sequence's key tiles among the splits, so long and short sequences alike
-    use every split.
+    (``acc, m, l``) and a second kernel merges them. The number of splits is chosen on the host from
+    shapes only; each program then divides *its own* sequence's key tiles among the splits, so long
+    and short sequences alike use every split.
 
 Prefill (:meth:`AttentionKernels.prefill_attention`)
     Flash attention over a packed batch: one program per ``(query head, sequence, query block)``,
@@ -58,8 +53,6 @@ _MAX_SPLITS = 256
 # (64 registers a thread; twice that for head 256). Up to 128 splits it is one load, not a chain of dependent steps;
 # more (the split rule allows 256: long block tables, few KV heads) take several.
 _MERGE_CHUNK = 128
-#: the same inside the decode kernel, whose fewer warps (``decode_warps``) hold the chunk: 32 x 128 over 4 warps
-_FUSED_MERGE_CHUNK = 32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,7 +205,6 @@ def _paged_decode_kernel(
     part_acc_ptr,  # [num_seqs, num_heads, num_splits, HEAD_SIZE] float32 unnormalised partial outputs
     part_m_ptr,  # [num_seqs, num_heads, num_splits] float32 running max (base 2) of each split
     part_l_ptr,  # [num_seqs, num_heads, num_splits] float32 softmax denominators of each split
-    done_ptr,  # [num_seqs, num_kv_heads] int32 zeros: splits finished (FUSED_MERGE only)
     q_ptr,  # [num_seqs, num_heads, HEAD_SIZE] query (the sequence's last token)
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_SIZE]
     v_cache_ptr,  # same layout as the key cache
@@ -243,9 +235,6 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size (tokens per physical block)
     BLOCK_N: tl.constexpr,  # keys per loop step
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for _merge_splits_kernel, else the output
-    FUSED_MERGE: tl.constexpr,  # SPLIT: the last split to finish merges them (no _merge_splits_kernel)
-    SPLITS_PAD: tl.constexpr,  # FUSED_MERGE: num_splits rounded up to a power of two
-    MERGE_CHUNK: tl.constexpr,  # FUSED_MERGE: splits summed per step of the merge
     PAGE_TILE: tl.constexpr,  # BLOCK_SIZE % BLOCK_N == 0: a key tile never straddles two blocks
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -312,56 +301,6 @@ def _paged_decode_kernel(
         tl.store(part_l_ptr + part, l_i, mask=head_ok)
         a_ptrs = part_acc_ptr + (part * HEAD_SIZE)[:, None] + offs_d[None, :]
         tl.store(a_ptrs, acc, mask=head_ok[:, None] & d_ok[None, :])
-        if FUSED_MERGE:
-            tl.debug_barrier()  # every thread of this program has stored its part of the partial
-            counter = done_ptr + seq.to(tl.int64) * tl.num_programs(1) + kv_head
-            # release: this split's partial is visible before its count; acquire: the last sees every other's
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if finished == num_splits - 1:
-                first_head = seq.to(tl.int64) * tl.num_programs(1) * GROUP + kv_head * GROUP
-                for g in tl.static_range(GROUP):
-                    o_off = seq.to(tl.int64) * stride_os + (kv_head * GROUP + g).to(tl.int64) * stride_oh
-                    _merge_head(
-                        out_ptr + o_off, part_acc_ptr, part_m_ptr, part_l_ptr, (first_head + g) * num_splits,
-                        num_splits, out_scale, HEAD_SIZE, HEAD_PAD, SPLITS_PAD, MERGE_CHUNK, ".cg",
-                    )  # fmt: skip
-
-
-@triton.jit
-def _merge_head(
-    o_ptr,  # this head's output row
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    base,  # index of this head's first split in the partials
-    num_splits,
-    out_scale,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-    CACHE: tl.constexpr,  # the loads' cache modifier: ".cg" (past the L1) for partials other programs wrote
-):
-    """One query head's output: each split's partial rescaled to a common max, summed and normalised."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_SIZE
-    m_part = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"), cache_modifier=CACHE)
-    m_max = tl.max(m_part, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (empty sequence)
-    denom = tl.zeros([CHUNK], tl.float32)
-    acc = tl.zeros([CHUNK, HEAD_PAD], tl.float32)
-    for first in range(0, num_splits, CHUNK):
-        offs_c = first + tl.arange(0, CHUNK)
-        c_ok = offs_c < num_splits
-        m_c = tl.load(part_m_ptr + base + offs_c, mask=c_ok, other=float("-inf"), cache_modifier=CACHE)
-        w = tl.exp2(m_c - m_max)  # an empty split (m = -inf) weighs 0
-        denom += tl.load(part_l_ptr + base + offs_c, mask=c_ok, other=0.0, cache_modifier=CACHE) * w
-        a_ptrs = part_acc_ptr + ((base + offs_c) * HEAD_SIZE)[:, None] + offs_d[None, :]
-        acc += tl.load(a_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=CACHE) * w[:, None]
-    total = tl.sum(denom, 0)
-    out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0) * out_scale
-    tl.store(o_ptr + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -382,12 +321,27 @@ def _merge_splits_kernel(
     """One program per (sequence, query head): rescale each split's partial to a common max and normalise."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
     base = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
-    o_ptr = out_ptr + seq.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
-    _merge_head(
-        o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, base, num_splits, out_scale, HEAD_SIZE, HEAD_PAD, SPLITS_PAD,
-        CHUNK, "",
-    )  # fmt: skip
+
+    m_part = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m_max = tl.max(m_part, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (empty sequence)
+    denom = tl.zeros([CHUNK], tl.float32)
+    acc = tl.zeros([CHUNK, HEAD_PAD], tl.float32)
+    for first in range(0, num_splits, CHUNK):
+        offs_c = first + tl.arange(0, CHUNK)
+        c_ok = offs_c < num_splits
+        w = tl.exp2(tl.load(part_m_ptr + base + offs_c, mask=c_ok, other=float("-inf")) - m_max)  # empty: 0
+        denom += tl.load(part_l_ptr + base + offs_c, mask=c_ok, other=0.0) * w
+        a_ptrs = part_acc_ptr + ((base + offs_c) * HEAD_SIZE)[:, None] + offs_d[None, :]
+        acc += tl.load(a_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0) * w[:, None]
+    total = tl.sum(denom, 0)
+    out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0) * out_scale
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -669,18 +623,14 @@ class AttentionKernels:
             )
         tma = self.target.decode_tma and key_cache.element_size() > 1  # FP8 caches gather rows (TMA unmeasured)
         descriptors = _kv_descriptors(key_cache, value_cache, block_n) if tma else None
-        fused = num_splits > 1 and self.target.decode_fused_merge
-        splits_pad = triton.next_power_of_2(num_splits)
         if num_splits > 1:
             part_acc = torch.empty(num_seqs, num_heads, num_splits, head_size, device=query.device, dtype=torch.float32)
             part_m = torch.empty(num_seqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
             part_l = torch.empty_like(part_m)
         else:
             part_acc = part_m = part_l = out  # unused
-        # zeroed each launch (one memset): no count outlives its launch, whatever the stream or graph it runs in
-        done = torch.zeros(num_seqs, num_kv_heads, device=query.device, dtype=torch.int32) if fused else out
         _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-            out, part_acc, part_m, part_l, done,
+            out, part_acc, part_m, part_l,
             query, key_cache, value_cache, block_tables, seq_lens,
             float(scale), float(soft_cap), int(sliding_window), float(out_scale),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -694,9 +644,6 @@ class AttentionKernels:
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             SPLIT=num_splits > 1,
-            FUSED_MERGE=fused,
-            SPLITS_PAD=splits_pad,
-            MERGE_CHUNK=min(splits_pad, _FUSED_MERGE_CHUNK),
             PAGE_TILE=block_size % block_n == 0,
             USE_SOFT_CAP=soft_cap > 0,
             USE_WINDOW=sliding_window > 0,
@@ -706,7 +653,8 @@ class AttentionKernels:
             num_warps=self.target.decode_warps,
             num_stages=stages,
         )  # fmt: skip
-        if num_splits > 1 and not fused:
+        if num_splits > 1:
+            splits_pad = triton.next_power_of_2(num_splits)
             _merge_splits_kernel[(num_seqs, num_heads)](
                 out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_splits, float(out_scale),
                 HEAD_SIZE=head_size,
