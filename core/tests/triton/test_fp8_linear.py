@@ -70,6 +70,58 @@ def test_forced_splits_agree(split_k):
     _check(lambda *a: kernels._launch(*a, None, split_k=split_k), args, torch.float32)
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_one_row_takes_the_one_launch_path_with_the_weight_widened_in_registers(granularity, dtype, monkeypatch):
+    """``fp8_one_row``: no quantising launch; the exact product, split or not, a bias or none, any leading dims."""
+    import vllm_port.kernels.triton.fp8_linear as module
+    from vllm_port.kernels.triton.linear import LinearKernels
+
+    def quantising(*args, **kwargs):
+        raise AssertionError("one row was quantised: the one-row path was not taken")
+
+    monkeypatch.setattr(module, "_quantize_rows_kernel", quantising)
+    gen = torch.Generator().manual_seed(7)
+    q, s = quantize_fp8_weight(torch.randn(70, 300, generator=gen) / 300**0.5, granularity)
+    q, s = q.to(DEVICE), s.to(DEVICE)
+    bias = torch.randn(70, generator=gen).to(DEVICE, dtype)
+    kernels = Fp8LinearKernels(TARGET)
+    for shape in ((1, 300), (1, 1, 300), (300,)):
+        x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+        for b in (bias, None):
+            _check(kernels.fp8_linear, (x, q, s, b), dtype)
+    one_row = LinearKernels(TARGET)
+    x = torch.randn(1, 300, generator=gen).to(DEVICE, dtype)
+    for split_k in (1, 2, 5):
+        fn = lambda *a, k=split_k: one_row._launch(a[0], a[1], a[3], k, weight_scale=a[2], one_row=TARGET.fp8_one_row)  # noqa: E731
+        _check(fn, (x, q, s, bias), dtype)
+
+
+def test_one_row_with_group_scales_or_without_one_row_tiles_is_quantised(monkeypatch):
+    import vllm_port.kernels.triton.fp8_linear as module
+
+    quantised = []
+    real = module._quantize_rows_kernel
+    monkeypatch.setattr(module, "_quantize_rows_kernel", _Recording(real, quantised))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 256, generator=gen).to(DEVICE, torch.bfloat16)
+    for granularity, target in (("group", TARGET), ("channel", dataclasses.replace(TARGET, fp8_one_row=None))):
+        q, s = quantize_fp8_weight(torch.randn(32, 256, generator=gen) / 16, granularity)
+        _check(Fp8LinearKernels(target).fp8_linear, (x, q.to(DEVICE), s.to(DEVICE)), torch.bfloat16)
+    assert len(quantised) == 2
+
+
+class _Recording:
+    """A Triton kernel that records each launch (``kernel[grid](...)``) and launches it."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 def test_every_gpu_target_binds_it_and_the_cuda_target_uses_fp8_dots():
     from vllm_port_rocm.triton_targets import ROCM
     from vllm_port_xpu.triton_targets import XPU

@@ -125,6 +125,9 @@ class TritonTarget:
         fp8_wide: tiles of ``fp8_linear`` at prefill.
         fp8_dot: the GPU multiplies e4m3 operands in ``tl.dot`` (sm_89 and newer); otherwise they are widened to
             bfloat16 first (exact), the weight still read at one byte an element.
+        fp8_one_row: tiles of ``linear``'s one-row kernel for ``fp8_linear`` of one row with a per-tensor or
+            per-channel scale (the weight widened in registers, no activation quantisation, one launch);
+            None: one row takes ``fp8_skinny``.
     """
 
     name: str
@@ -156,6 +159,7 @@ class TritonTarget:
     fp8_skinny: MatmulTiles = MatmulTiles(16, 64, 256, 4, 4, 4)
     fp8_wide: MatmulTiles = MatmulTiles(128, 128, 128, 8, 3)
     fp8_dot: bool = False
+    fp8_one_row: LinearTiles | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_order not in PREFILL_ORDERS:
@@ -183,4 +187,5 @@ INTERPRETER = TritonTarget(
     fp8_skinny_rows=16,
     fp8_skinny=MatmulTiles(16, 32, 64, 4, 1, 4),
     fp8_wide=MatmulTiles(32, 32, 64, 4, 1),
+    fp8_one_row=LinearTiles(16, 32, 4, 1),
 )

@@ -37,6 +37,10 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 #: input features a step (256 bytes of each weight row), 4 stages, the reduction split to 4 programs per SM; at
 #: prefill 128 x 128 tiles, 128 deep, 8 warps, 3 stages. The older parts widen e4m3 to bfloat16 (no FP8 MMA on
 #: sm_80/sm_86; Ada's sm_89 has it but shares the compact target with sm_86).
+#: One row of ``fp8_linear`` (batch-1 decode) takes ``linear``'s one-row kernel with the e4m3 weight widened
+#: in registers (``fp8_one_row``): 8 outputs a program, 1,024 input features (1 KiB of each weight row) a step,
+#: 3 stages, split to one wave: the fastest of 7 tilings over Llama-3-8B's four projections on an H200
+#: (dev/experiments/probe_fp8_one_row.py; docs/results/fp8-linear-h200.md).
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -59,6 +63,7 @@ CUDA = TritonTarget(
     moe_small=MoeTiles(16, 32, 128, 4, 4),
     moe_large=MoeTiles(64, 128, 64, 4, 3),
     fp8_dot=True,
+    fp8_one_row=LinearTiles(8, 1024, 4, 3, 1),
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
 #: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:

@@ -12,6 +12,11 @@ dot's minimum), and splits ``K`` across programs until the device is full, like 
 kernel: float32 partials that ``linear``'s reduction kernel adds in a fixed order, with the bias, so
 results are the same run to run. Prefill takes the wide tiles.
 
+One row (batch-1 decode) with a per-tensor or per-channel scale takes ``linear``'s one-row kernel
+instead, where the target gives it tiles (``fp8_one_row``): one launch, the e4m3 weight widened to
+float32 in registers on the vector units, times ``x`` as it is, the scale applied to the sums. That is
+the exact product the contract also allows, and at one row the weight's bytes are the whole cost.
+
 Where a target has no FP8 dot (``fp8_dot=False``: Ampere, ROCm's MI300 whose FP8 is the fnuz variant,
 XPU, Triton's CPU interpreter), the e4m3 operands are widened to bfloat16 before the dot (exact: every
 e4m3 value is a bfloat16 value; float32 in the interpreter): the same quantisation, the weight still
@@ -30,6 +35,7 @@ from ...device_properties import compute_units
 from ...ops import BindContext
 from ...ops.fp8 import FP8_GROUP, FP8_MAX, check_fp8_linear, fp8_linear_reference, scale_granularity
 from ..triton_target import MatmulTiles, TritonTarget
+from .linear import LinearKernels
 
 __all__ = ["Fp8LinearKernels", "to_e4m3"]
 
@@ -210,6 +216,10 @@ class Fp8LinearKernels:
         rows = math.prod(x.shape[:-1])
         if x.dtype not in _DTYPES or rows == 0 or n == 0 or k == 0:
             return fp8_linear_reference(x, weight, weight_scale, bias)  # float64, or nothing to compute
+        if rows == 1 and self.target.fp8_one_row is not None and scale_granularity(weight, weight_scale) != "group":
+            # one token: the weight widened in registers on vector units, the exact product (no quantising launch)
+            one_row = LinearKernels(self.target)
+            return one_row._launch(x, weight, bias, weight_scale=weight_scale, one_row=self.target.fp8_one_row)
         return self._launch(x, weight, weight_scale, bias)
 
     def _launch(

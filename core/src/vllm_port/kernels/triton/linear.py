@@ -58,6 +58,7 @@ def _skinny_linear_kernel(
     x_ptr,  # [M, K], any strides
     w_ptr,  # [N, K], any strides (a transposed view has stride_wn == 1)
     b_ptr,  # [N] bias, read only with HAS_BIAS
+    s_ptr,  # float32 weight scale: [] per tensor or [N] per output (SCALE only; fp8_linear's e4m3 weights)
     M,
     N,
     K,
@@ -74,6 +75,7 @@ def _skinny_linear_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no tile needs a mask
     SPLIT: tl.constexpr,  # split_k > 1: partial sums, the last split to arrive finishes
     HAS_BIAS: tl.constexpr,
+    SCALE: tl.constexpr,  # the weight's scale multiplies the product: 0 none, 1 per tensor, 2 per output
     USE_DOT: tl.constexpr,  # tensor cores (tl.dot); else one row on vector units
     DOT_FP32: tl.constexpr,  # upcast tl.dot's 16-bit operands (the CPU interpreter's dot needs it)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32: TF32 would miss float32's tolerance
@@ -139,14 +141,26 @@ def _skinny_linear_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(split_k):  # split order, so the sum rounds the same on every run
                 acc += tl.load(part_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            acc = _scaled(acc, s_ptr, cols, N, SCALE)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols * stride_b, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offsets, acc, mask=mask)  # rounded once, to out's dtype
             tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call
     else:
+        acc = _scaled(acc, s_ptr, cols, N, SCALE)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols * stride_b, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offsets, acc, mask=mask)  # rounded once, to out's dtype
+
+
+@triton.jit
+def _scaled(acc, s_ptr, cols, N, SCALE: tl.constexpr):
+    """``acc`` times the weight's scale (``SCALE`` 1: one for the tensor, 2: one per output; 0: as it is)."""
+    if SCALE == 1:
+        acc = acc * tl.load(s_ptr)
+    elif SCALE == 2:
+        acc = acc * tl.load(s_ptr + cols % N)[None, :]  # outputs past N wrap, as the weight's rows do
+    return acc
 
 
 def _splits(n_blocks: int, k_tiles: int, num_sms: int, waves: int) -> tuple[int, int]:
@@ -225,15 +239,28 @@ class LinearKernels:
         return self._launch(x, weight, bias)
 
     def _launch(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, split_k: int | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        split_k: int | None = None,
+        *,
+        weight_scale: torch.Tensor | None = None,
+        one_row: LinearTiles | None = None,
     ) -> torch.Tensor:
-        """Run the kernel; ``split_k`` forces a split count (tests), else :func:`_splits` chooses."""
+        """Run the kernel; ``split_k`` forces a split count (tests), else :func:`_splits` chooses.
+
+        ``weight_scale`` (float32, one value or one per output) multiplies the product: ``fp8_linear``'s
+        one-row path, an e4m3 weight widened in registers. ``one_row`` replaces the target's
+        ``linear_fma`` tiles for a single row.
+        """
         n, k = weight.shape
         x2 = _rows_view(x)
         m = x2.shape[0]
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        use_dot = m > 1 or self.target.linear_fma is None
-        tiles: LinearTiles = self.target.linear_dot if use_dot else self.target.linear_fma
+        fma_tiles = one_row or self.target.linear_fma
+        use_dot = m > 1 or fma_tiles is None
+        tiles: LinearTiles = self.target.linear_dot if use_dot else fma_tiles
         block_m, block_n = 1, tiles.block_n
         if use_dot:
             block_m, block_n = max(_DOT_MIN, triton.next_power_of_2(m)), max(_DOT_MIN, block_n)
@@ -252,8 +279,10 @@ class LinearKernels:
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
         dot_fp32 = use_dot and x.device.type == "cpu" and x.dtype != torch.float32
         bias_arg = bias if bias is not None else x2  # a placeholder pointer when there is no bias
+        scale_kind = 0 if weight_scale is None else 1 if weight_scale.numel() == 1 else 2
+        scale_arg = weight_scale.reshape(-1) if weight_scale is not None else x2
         _skinny_linear_kernel[(n_blocks, split_k)](
-            out, partials, counts if counts is not None else out, x2, weight, bias_arg,
+            out, partials, counts if counts is not None else out, x2, weight, bias_arg, scale_arg,
             m, n, k, tiles_per_split * tiles.block_k, split_k,
             x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
             bias.stride(0) if bias is not None else 0,
@@ -263,6 +292,7 @@ class LinearKernels:
             EVEN_K=k % tiles.block_k == 0,
             SPLIT=split,
             HAS_BIAS=bias is not None,
+            SCALE=scale_kind,
             USE_DOT=use_dot,
             DOT_FP32=dot_fp32,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 or dot_fp32 else None,
