@@ -59,6 +59,19 @@ def vllm_port_providers():
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def pythons_sigint_handler():
+    """Python's own SIGINT handler for each test, as a user's process has it.
+
+    pytest-xdist's workers ignore SIGINT (the controller takes Ctrl-C), and an ignored signal stays
+    ignored in the processes they start: under xdist these tests passed or failed by which earlier
+    test had put Python's handler back in their worker.
+    """
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_a_provider_is_held_until_the_step_ends_then_every_block_is_free(install_plugin, llama_model):
     module = install_plugin("sigcpu", SIGNALLING_CPU)
