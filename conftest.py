@@ -137,8 +137,9 @@ def _name_xdist_groups(items: list[pytest.Item]) -> None:
         groups = {
             str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")
         }
-        if not groups or "@" in item.nodeid:  # before pytest 9.2, pytest-xdist's own suffix is there
+        suffix = f"@{'_'.join(sorted(groups))}"
+        if not groups or item.nodeid.endswith(suffix):  # before pytest 9.2, pytest-xdist's own suffix is there
             continue
         from _pytest.nodeid import NodeId  # pytest >= 9.2, where the id is ``item._id``
 
-        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(groups))}")
+        item._id = NodeId.parse(item.nodeid + suffix)

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from vllm_port.bench._timing import copy_bandwidth_gbs
+from vllm_port.bench.fp8_linear import SHAPES  # the projections `vllm-port bench fp8-linear` times
 from vllm_port.kernels.triton.fp8_linear import Fp8LinearKernels
 from vllm_port.kernels.triton.linear import LinearKernels
 from vllm_port.kernels.triton_target import LinearTiles
@@ -25,14 +26,6 @@ from vllm_port.ops import fp8_linear
 from vllm_port.ops.fp8 import quantize_fp8_weight
 from vllm_port_cuda.triton_targets import CUDA
 
-SHAPES = {  # name: (in_features, out_features)
-    "llama3-8b qkv": (4096, 6144),
-    "llama3-8b o": (4096, 4096),
-    "llama3-8b gate_up": (4096, 28672),
-    "llama3-8b down": (14336, 4096),
-    "qwen3-30b qkv": (2048, 5120),
-    "qwen3-30b o": (4096, 2048),
-}
 TILES = [LinearTiles(16, 1024, 4, 2, 1), LinearTiles(16, 512, 4, 2, 1), LinearTiles(32, 1024, 4, 2, 1),
          LinearTiles(16, 2048, 4, 2, 1), LinearTiles(8, 1024, 4, 3, 1), LinearTiles(16, 1024, 8, 3, 1),
          LinearTiles(16, 1024, 4, 3, 2)]  # fmt: skip
