@@ -45,6 +45,8 @@ def _fp8_linear(x, weight, weight_scale, bias, bug):
         w = weight.float()
     elif bug == "first channel's scale for all" and weight_scale.dim() == 1:
         w = weight.float() * weight_scale.reshape(-1)[0]
+    elif bug == "one row: first channel's scale for all" and weight_scale.dim() == 1 and rows.shape[0] == 1:
+        w = weight.float() * weight_scale.reshape(-1)[0]
     elif bug == "groups of 64" and weight_scale.dim() == 2:
         group = (torch.arange(weight.shape[1]) // (FP8_GROUP // 2)).clamp(max=weight_scale.shape[1] - 1)
         w = weight.float() * weight_scale[:, group]
@@ -131,6 +133,7 @@ CACHE_BUGS = {
 BUGS = {
     "scale_ignored_fp8_linear": "weight scale ignored",
     "first_channel_scale_fp8_linear": "first channel's scale for all",
+    "one_row_first_channel_scale_fp8_linear": "one row: first channel's scale for all",
     "groups_of_64_fp8_linear": "groups of 64",
     "batch_amax_fp8_linear": "one scale for the batch",
     "e5m2_activations_fp8_linear": "e5m2 activations",
@@ -162,6 +165,9 @@ GROUPS = [
             _refused("first_channel_scale_fp8_linear", "fp8: scales",
                      "treats a per-channel scale as per-tensor (the first channel's scale for every channel)",
                      "per-channel scales across 6 decades", "elements off"),
+            _refused("one_row_first_channel_scale_fp8_linear", "fp8: scales",
+                     "on one row only (a decode kernel's own path), the first channel's scale for every channel",
+                     "one row, per-channel scales across 6 decades", "elements off"),
             _refused("groups_of_64_fp8_linear", "fp8: scales",
                      "reads the per-group scales as groups of 64 input features, not 128",
                      "groups of 128, in_features 320 (a partial group)", "elements off"),

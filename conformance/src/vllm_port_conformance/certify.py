@@ -915,13 +915,13 @@ def main(
         about = loaded.get("plugin") or {}
         if isinstance(about.get("git"), dict):
             print(f"plugin: {about['distribution']} {about['version']} at commit {_commit_text(about['git'])}")
-        here = source_digest(loaded["source"]["packages"])["sha256"]
         if _version_of(loaded) < SOURCE_DIGEST_SINCE:
             print(
                 f"source: not comparable: report version {_version_of(loaded)} hashed only the packages' .py files"
                 f" (since version {SOURCE_DIGEST_SINCE} every file counts); certify again to tie it to these sources"
             )
         else:
+            here = source_digest(loaded["source"]["packages"])["sha256"]
             same = here == loaded["source"]["sha256"]
             print(f"source: {'the same as' if same else 'differs from'} the packages installed here (sha256 {here})")
         return 0

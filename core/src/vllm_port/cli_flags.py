@@ -101,8 +101,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "async_scheduling": (
         "--async-scheduling",
         dict(
-            action="store_true",
-            help="schedule each step before reading the last one's tokens (the same outputs; one device)",
+            action=argparse.BooleanOptionalAction,
+            help="schedule each step before reading the last one's tokens (the same outputs; one device; "
+            "default on for one accelerator, off on cpu)",
         ),
     ),
     "tensor_parallel_size": (

@@ -11,6 +11,7 @@ import pytest
 from llm_helpers import assert_pool_empty, make_llm, prompts
 
 from vllm_port import LLM, SamplingParams
+from vllm_port.engine.config import EngineConfig
 from vllm_port.engine.request import Request
 from vllm_port.engine.scheduler import PLACEHOLDER, Scheduler, SchedulerConfig, SchedulerOutput
 from vllm_port.engine.step_ahead import feed_rows
@@ -168,9 +169,24 @@ def test_config_refuses_what_it_cannot_run():
     ):
         LLM(async_scheduling=True, distributed_executor_backend="external_launcher")
     with pytest.raises(
-        ValueError, match=r"LLM\(async_scheduling='yes'\): async_scheduling is 'yes'; it must be True or False"
+        ValueError, match=r"LLM\(async_scheduling='yes'\): async_scheduling is 'yes'; it must be True, False or None"
     ):
         LLM(async_scheduling="yes")
+
+
+def test_by_default_steps_run_ahead_on_one_accelerator_and_not_on_a_host(llama_model, cpu_runtime):
+    """``async_scheduling=None`` (the default, as vLLM's) runs ahead where it was measured to pay: one accelerator
+    device running a core model definition; a host platform ("cpu") gains nothing from it and stays synchronous."""
+    assert EngineConfig().runs_ahead_on("cuda") and EngineConfig(async_scheduling=None).runs_ahead_on("xpu")
+    assert not EngineConfig().runs_ahead_on("cpu")
+    assert EngineConfig(async_scheduling=True).runs_ahead_on("cpu")
+    assert not EngineConfig(async_scheduling=False).runs_ahead_on("cuda")
+    for several in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"devices": ["cpu", "cpu"]},
+                    {"distributed_executor_backend": "external_launcher"}, {"importer": "flat"}):  # fmt: skip
+        assert not EngineConfig(**several).runs_ahead_on("cuda"), several
+    llm = make_llm(llama_model, cpu_runtime)
+    assert llm.engine_config.async_scheduling is False  # resolved: what the engine does, not None
+    llm.close()
 
 
 def test_a_placeholder_without_a_sampled_row_is_refused():

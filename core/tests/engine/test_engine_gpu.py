@@ -121,7 +121,14 @@ def test_device_preemption_by_swap_keeps_greedy_output(setup, device_runtime):
         pytest.skip(f"platform {device_runtime.platform.name!r} has no pinned host tier")
     model_dir, batch, params, want = setup
     # 24 blocks of 4 tokens; one block is 2 layers * (k, v) * 4 tokens * 2 heads * 64 * 4 bytes = 8 KiB
-    llm = LLM(str(model_dir), device=device_runtime, block_size=4, kv_cache_memory=24 * 8192, swap_space=64 * 8192)
+    llm = LLM(
+        str(model_dir),
+        device=device_runtime,
+        block_size=4,
+        kv_cache_memory=24 * 8192,
+        swap_space=64 * 8192,
+        async_scheduling=False,  # runner.execute is spied on below; the next test runs ahead
+    )
     llm.scheduler.reclaimer = DefaultReclaimer(swap_min_tokens=0)  # swap whatever fits
     swaps = []
     execute = llm.runner.execute
@@ -154,7 +161,8 @@ def test_asynchronous_scheduling_equals_the_synchronous_engine_on_the_device(set
         SamplingParams(temperature=0.9, top_k=40, seed=i, max_tokens=10 + 7 * i, stop_token_ids=[3 + i])
         for i in range(len(batch))
     ]
-    sync = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, enforce_eager=enforce_eager)
+    sync = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, enforce_eager=enforce_eager,
+               async_scheduling=False)  # fmt: skip
     assert [o.outputs[0].token_ids for o in llm.generate(batch, sampled)] == [
         o.outputs[0].token_ids for o in sync.generate(batch, sampled)
     ]

@@ -209,8 +209,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="the engine schedules each step before reading the last one's tokens (LLM(async_scheduling=True))",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine schedules each step before reading the last one's tokens (LLM(async_scheduling=True); "
+        "default: the engine's, on for one accelerator, off on cpu)",
     )
     parser.add_argument(
         "--save-model",

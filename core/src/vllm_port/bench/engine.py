@@ -148,7 +148,7 @@ def run_engine(
             "provider_per_op": llm.provider_per_op,
             "captured_batch_sizes": llm.captured_batch_sizes,
             "tensor_parallel_size": llm_kwargs.get("tensor_parallel_size", 1),
-            "async_scheduling": llm_kwargs.get("async_scheduling", False),
+            "async_scheduling": llm.engine_config.async_scheduling,
         }
     finally:
         llm.close()
@@ -358,7 +358,7 @@ def run(
     enforce_eager: bool = False,
     save_model: str | None = None,
     weights: Sequence[str] | None = None,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
     mixed_requests: int = 0,
 ) -> dict[str, Any]:
     """Run the workload through every system asked for; return the results (what ``--json`` writes).
@@ -388,8 +388,8 @@ def run(
         kw: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
         if enforce_eager:
             kw["enforce_eager"] = True
-        if async_scheduling:
-            kw["async_scheduling"] = True
+        if async_scheduling is not None:  # None: the engine's default (ahead on one accelerator)
+            kw["async_scheduling"] = async_scheduling
         copy_gbs = None
         for v in variants:
             path = Path(dirs[v.weights])

@@ -77,7 +77,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     kv_cache_dtype: str = "auto"
     distributed_executor_backend: str | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -168,6 +168,16 @@ class EngineConfig:
         """The model's parts run on several platforms (``placement`` or ``devices`` is given)."""
         return self.placement is not None or self.devices is not None
 
+    def runs_ahead_on(self, device_type: str) -> bool:
+        """Whether steps run ahead (``async_scheduling``) on a platform of ``device_type``: as given, else on
+        where it was measured to pay (vLLM's default is on as well): one accelerator device running a core model
+        definition. On a host (``"cpu"``) the host's work has nothing to hide behind (docs/results/async-scheduling-h200.md).
+        """
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        one_device = self.ranks == 1 and not (self.launched or self.places or self.imports or self.make_step)
+        return one_device and device_type != "cpu"
+
     def as_arguments(self) -> dict[str, Any]:
         """The fields by name, as ``LLM(**config.as_arguments())`` takes them (values as they are, not copied)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -200,7 +210,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or _is_int(v), "None or an int"),
     "plugins": (lambda v: v is None or isinstance(v, str), "None or an allow/deny list such as 'cpu' or '-rocm'"),
     "enforce_eager": (lambda v: isinstance(v, bool), "True or False"),
-    "async_scheduling": (lambda v: isinstance(v, bool), "True or False"),
+    "async_scheduling": (lambda v: v is None or isinstance(v, bool), "True, False or None (on for one accelerator)"),
     "kv_cache_dtype": (
         lambda v: v in KV_CACHE_DTYPES,
         "'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (float8 e4m3 with scales of 1.0, vLLM's spelling); "

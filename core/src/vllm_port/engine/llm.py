@@ -24,6 +24,7 @@ cannot be loaded raises :class:`~vllm_port.errors.ModelLoadError` from ``LLM(...
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import os
@@ -290,6 +291,8 @@ class LLM:
         (vLLM's option of that name; :mod:`vllm_port.engine.step_ahead`): the host's work of a step overlaps
         the device's, with the same outputs token for token. Steps whose requests need their tokens on the host
         first (logits processing, logprobs, ``n > 1``) run synchronously. One device (``tensor_parallel_size=1``).
+        ``None`` (the default, as vLLM's): on for one accelerator device running a core model definition, off
+        on a host platform (``"cpu"``, where it gains nothing) and elsewhere; ``llm.engine_config`` says which.
     :param pipeline_parallel_size: stages to split the model's layers into, each a rank of its own with its
         layers and their KV cache (:mod:`vllm_port.engine.pipeline_parallel`), spawned on this machine or
         launched by ``torchrun`` (``distributed_executor_backend``): for a model whose weights do not fit one
@@ -326,7 +329,7 @@ class LLM:
         trust_remote_code: bool = False,
         kv_cache_dtype: str = "auto",
         distributed_executor_backend: str | None = None,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         pipeline_parallel_size: int = 1,
     ) -> None:
         arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
@@ -340,8 +343,9 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         """Load the platform(s), open the model, build the runner and the scheduler that ``config`` asks for."""
-        self.engine_config = config
         self.runtime, self.placement = _load_platforms(config)  # placement None: one platform
+        ahead = config.runs_ahead_on(self.runtime.platform.device_type)
+        self.engine_config = config = dataclasses.replace(config, async_scheduling=ahead)
         opened = _open_model(config, self.runtime)
         self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
         self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text

@@ -318,6 +318,8 @@ def _fp8_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator)
         case("tokens across 6 decades of magnitude", 16, 256, 64, "channel", row_spread=3.0),
         case("64 rows, 512 -> 256 (error statistics)", 64, 512, 256, "channel"),
         case("one row, per tensor, bias", 1, 384, 192, "tensor", bias=True),
+        # one token is a path of its own in device kernels (no quantising launch: see kernels/triton/fp8_linear.py)
+        case("one row, per-channel scales across 6 decades", 1, 256, 96, "channel", channel_spread=3.0),
         SampleInput("transposed weight (a view)", (x, transposed, s, None)),
         SampleInput("x a slice of a wider row", (wide, *weight(72, 256, "group"), None)),
         # rows of odd length with NaN between them: torch's CPU bfloat16 GEMM reads it (see packed_rows)

@@ -202,6 +202,7 @@ class Fp8LinearKernels:
 
     def __init__(self, target: TritonTarget) -> None:
         self.target = target
+        self._one_row = LinearKernels(target)  # one token: linear's one-row kernel, the weight widened in registers
 
     def supports(self, ctx: BindContext) -> bool:
         """Bind-time predicate: the target enables the kernel (``fp8_skinny_rows`` > 0)."""
@@ -218,8 +219,7 @@ class Fp8LinearKernels:
             return fp8_linear_reference(x, weight, weight_scale, bias)  # float64, or nothing to compute
         if rows == 1 and self.target.fp8_one_row is not None and scale_granularity(weight, weight_scale) != "group":
             # one token: the weight widened in registers on vector units, the exact product (no quantising launch)
-            one_row = LinearKernels(self.target)
-            return one_row._launch(x, weight, bias, weight_scale=weight_scale, one_row=self.target.fp8_one_row)
+            return self._one_row._launch(x, weight, bias, weight_scale=weight_scale, one_row=self.target.fp8_one_row)
         return self._launch(x, weight, weight_scale, bias)
 
     def _launch(
