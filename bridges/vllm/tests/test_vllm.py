@@ -152,3 +152,57 @@ def test_a_plugin_fresh_from_new_plugin_certifies_inside_vllm(bridge_python: Pat
         assert not m["uncalled"] and all(d["tie"] for d in m["divergences"]), (mode, m)
         ran = {provider for providers in m["providers"].values() for provider in providers}
         assert ran and all(provider.startswith("vllmchip/") for provider in ran), (mode, m["providers"])
+
+
+def test_an_fp8_model_runs_its_linear_layers_on_the_plugins_fp8_linear_eager_and_compiled(
+    bridge_python: Path, certificate: Path
+) -> None:
+    """The tiny Llama as compressed-tensors' FP8-dynamic checkpoint: vLLM builds its FP8 layers on the bridge's
+    kernel, every projection calls the plugin's ``fp8_linear``, logits within the tolerance of vLLM alone."""
+    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--tiny-llama-fp8", "--json"]
+    done = subprocess.run(cmd, env=_env(certificate), capture_output=True, text=True, timeout=3000)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-4000:]
+    report = json.loads(lines[-1])
+    for mode, m in report["modes"].items():
+        assert m["ok"], (mode, m)
+        assert m["calls"]["fp8_linear"] > 0 and m["providers"]["fp8_linear"] == ["cpu/cpu_fp8_linear"], (mode, m)
+
+
+_FP8_CONFIGS = """
+import json, torch
+from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+from vllm.model_executor.layers.quantization.utils import quant_utils as q
+from vllm_port_vllm.errors import BridgeError
+from vllm_port_vllm.fp8 import _kernel_class
+
+kernel = _kernel_class()
+said = {}
+for label, weights, activations in [
+    ("channel weights, dynamic token activations", q.kFp8StaticChannelSym, q.kFp8DynamicTokenSym),
+    ("tensor weights, dynamic token activations", q.kFp8StaticTensorSym, q.kFp8DynamicTokenSym),
+    ("tensor weights, static tensor activations", q.kFp8StaticTensorSym, q.kFp8StaticTensorSym),
+    ("channel weights, dynamic tensor activations", q.kFp8StaticChannelSym, q.kFp8DynamicTensorSym),
+]:
+    config = FP8ScaledMMLinearLayerConfig(weight_quant_key=weights, activation_quant_key=activations,
+                                          weight_shape=(64, 32), input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    try:
+        said[label] = str(kernel.can_implement(config))
+    except BridgeError as exc:
+        said[label] = str(exc)
+print(json.dumps(said))
+"""
+
+
+def test_fp8_layers_the_op_does_not_compute_are_refused_naming_what_they_ask(bridge_python: Path) -> None:
+    """Static or per-batch activation scales are another computation than ``fp8_linear``'s per-token one: the
+    bridge's kernel refuses them by name (never leaving them to vLLM's kernel in silence), and takes the rest."""
+    done = subprocess.run([str(bridge_python), "-c", _FP8_CONFIGS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["channel weights, dynamic token activations"] == "(True, None)"
+    assert said["tensor weights, dynamic token activations"] == "(True, None)"
+    for label in ("tensor weights, static tensor activations", "channel weights, dynamic tensor activations"):
+        assert "vllm-port bridge" in said[label] and "VLLM_BRIDGE_KEEP=fp8_linear" in said[label], said[label]
+    assert "static activation scales" in said["tensor weights, static tensor activations"]
+    assert "dynamic activation scales" in said["channel weights, dynamic tensor activations"]

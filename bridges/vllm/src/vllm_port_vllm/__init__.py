@@ -5,7 +5,7 @@ its processes before it builds a model. It checks vLLM's version and the signatu
 it replaces (:mod:`vllm_port_vllm.compat`), loads this project's runtime (discovery, selection,
 the plugin's certificate: :mod:`vllm_port_vllm.runtime`), and routes vLLM's norms, rotary
 embeddings and gated activations (:mod:`vllm_port_vllm.layers`) and its decoder attention
-(:mod:`vllm_port_vllm.attention`) to the bound providers. Any of these failing stops vLLM with a
+(:mod:`vllm_port_vllm.attention`) and its FP8 linear layers (:mod:`vllm_port_vllm.fp8`) to the bound providers. Any of these failing stops vLLM with a
 :class:`~vllm_port_vllm.errors.BridgeError` that names it: the bridge never lets vLLM fall back to
 its own kernels in silence.
 
@@ -33,6 +33,7 @@ def register() -> None:
 
     from .attention import register_attention
     from .compat import check_vllm
+    from .fp8 import register_fp8
     from .keep import KEEP_ENV, kept_parts
     from .layers import register_layers
     from .runtime import bridge
@@ -42,6 +43,7 @@ def register() -> None:
     b = bridge()
     layers = register_layers(keep=kept)
     backends = [] if "attention" in kept else register_attention()
+    layers += [] if "fp8_linear" in kept else register_fp8()
     _registered.extend(layers + backends)
     log = logging.getLogger("vllm_port_vllm")
     if kept:

@@ -22,6 +22,10 @@ when:
 - each request's greedy ids equal vLLM-alone's, or first differ where vLLM-alone's top two logprobs
   are a near-tie (within twice that tolerance), which the report shows for each such request;
 - the bridged process counted more than zero calls of every bridged op (``VLLM_PORT_STATS``).
+
+An FP8 model (``--tiny-llama-fp8``, or a checkpoint with a ``quantization_config``) is judged against vLLM alone
+on its dequantised checkpoint, ``fp8_linear``'s reference, with vLLM's own FP8 kernels as the yardstick of
+how far a quantised run may land from it (:func:`_check_fp8`); ``fp8_linear`` must be called too.
 """
 
 from __future__ import annotations
@@ -35,14 +39,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "main", "tiny_llama", "tolerance"]
+__all__ = ["FP8_DYNAMIC", "compare", "main", "tiny_llama", "tiny_llama_fp8", "tolerance"]
 
 #: vLLM's settings for a small run on a shared CPU (the KV cache in GiB, no reserved core)
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_TARGET_DEVICE": "cpu"}
 
 
-def tolerance(dtype: str) -> tuple[float, float]:
-    """``(atol, rtol)``: the least strict tolerance of the bridged ops for ``dtype``."""
+def tolerance(dtype: str, ops: tuple[str, ...] | None = None) -> tuple[float, float]:
+    """``(atol, rtol)``: the least strict tolerance of ``ops`` (default: the bridged layers' and attention's) for ``dtype``."""
     import torch
 
     from vllm_port.ops import ALL_OPS
@@ -50,7 +54,8 @@ def tolerance(dtype: str) -> tuple[float, float]:
     from .runtime import BRIDGED_OPS
 
     want = getattr(torch, dtype)
-    tols = [op.tolerances[want] for op in ALL_OPS if op.name in BRIDGED_OPS and want in op.tolerances]
+    ops = BRIDGED_OPS if ops is None else ops
+    tols = [op.tolerances[want] for op in ALL_OPS if op.name in ops and want in op.tolerances]
     return max(t.atol for t in tols), max(t.rtol for t in tols)
 
 
@@ -79,6 +84,102 @@ def tiny_llama(folder: Path) -> Path:
             p.copy_(noise * 0.3 + 1 if "norm" in name else noise * p.shape[-1] ** -0.5)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+#: compressed-tensors' FP8-dynamic scheme: e4m3 weights with a scale per output channel, activations quantised per
+#: token on the fly (what ``fp8_linear`` computes); the LM head stays float
+FP8_DYNAMIC = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True},
+    }},
+}  # fmt: skip
+
+
+def tiny_llama_fp8(folder: Path) -> Path:
+    """:func:`tiny_llama` with its projections (q, k, v, o, gate, up, down) in e4m3, one scale per output channel,
+    saved as compressed-tensors' FP8-dynamic checkpoint (:data:`FP8_DYNAMIC`): vLLM runs its FP8 linear layers."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_port.ops.fp8 import quantize_fp8_weight
+
+    tiny_llama(folder)
+    projection = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+    tensors = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        if projection.fullmatch(name):
+            tensors[name], scale = quantize_fp8_weight(tensor, "channel")
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale.reshape(-1, 1).contiguous()
+        else:
+            tensors[name] = tensor
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = FP8_DYNAMIC
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def dequantised(model: str, folder: Path) -> Path:
+    """``model``'s FP8 checkpoint as the float checkpoint it means (each e4m3 weight times its scale, float32),
+    saved in ``folder``: ``fp8_linear``'s reference, the exact dequantised product, run by vLLM's float layers."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path in sorted(Path(model).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("weight_scale"):
+            continue
+        if tensor.dtype.is_floating_point and tensor.element_size() == 1:  # an e4m3 weight: [out, in]
+            scale = tensors[name + "_scale"].float()
+            out[name] = tensor.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
+        else:
+            out[name] = tensor
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(model) / "config.json").read_text())
+    config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def _check_fp8(args: argparse.Namespace, mode: str, work: Path, ops: tuple[str, ...]) -> dict[str, Any]:
+    """An FP8 model in ``mode``: vLLM alone on its dequantised checkpoint (the reference), vLLM alone on the FP8
+    checkpoint (vLLM's FP8 kernels), and the bridge on it, each scoring the reference's sequences.
+
+    ``fp8_linear`` may compute the exact product or quantise each token's activations (the contract allows
+    both), so the bridged logits are judged against the reference by how far vLLM's own FP8 kernels land from
+    it: the bridged run's worst difference must be at most twice theirs (or within the float tolerance).
+    """
+    atol, rtol = tolerance(args.dtype)
+    reference_model = str(dequantised(args.model, work / "dequantised"))
+    reference = _run(args, mode, False, work, None, model=reference_model)
+    (work / "score.json").write_text(json.dumps(reference["scored"]))
+    own = _run(args, mode, False, work, work / "score.json")
+    bridged = _run(args, mode, True, work, work / "score.json")
+    vllm_fp8 = compare(reference, own, atol, rtol, ())
+    result = compare(reference, bridged, atol, rtol, ops)
+    bound = max(1.0, 2 * max(vllm_fp8["worst_prefill"], vllm_fp8["worst_decode"]))
+    result["ok"] = result["worst_prefill"] <= bound and result["worst_decode"] <= bound and not result["uncalled"]
+    result["against"] = "vLLM alone on the dequantised checkpoint"
+    result["vllm_fp8"] = {k: vllm_fp8[k] for k in ("worst_prefill", "worst_decode", "equal_requests", "divergences")}
+    result["bound"] = bound
+    result["exits"] = {"reference": reference["exit"], "alone": own["exit"], "bridged": bridged["exit"]}
+    result["vllm_version"] = reference["vllm_version"]
+    return result
+
+
+def _checked_ops(model: str) -> tuple[str, ...]:
+    """The bridged ops a run of ``model`` must call: the layers' and attention's, and ``fp8_linear`` for an FP8 model."""
+    from .runtime import BRIDGED_OPS, ON_DEMAND_OPS
+
+    quantized = "quantization_config" in json.loads((Path(model) / "config.json").read_text())
+    return BRIDGED_OPS + (ON_DEMAND_OPS if quantized else ())
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -124,7 +225,9 @@ def _worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def _run(args: argparse.Namespace, mode: str, bridged: bool, work: Path, score: Path | None) -> dict[str, Any]:
+def _run(
+    args: argparse.Namespace, mode: str, bridged: bool, work: Path, score: Path | None, model: str | None = None
+) -> dict[str, Any]:
     env = {**os.environ, **{k: v for k, v in CPU_ENV.items() if k not in os.environ}}
     stats = work / f"stats-{mode}.json"
     if bridged:
@@ -133,7 +236,8 @@ def _run(args: argparse.Namespace, mode: str, bridged: bool, work: Path, score: 
     else:
         env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin: vLLM alone
         env.pop("VLLM_PORT_STATS", None)
-    cmd = [sys.executable, "-m", "vllm_port_vllm.check", "--worker", "--model", args.model, "--dtype", args.dtype]
+    cmd = [sys.executable, "-m", "vllm_port_vllm.check", "--worker", "--model", model or args.model]
+    cmd += ["--dtype", args.dtype]
     cmd += ["--mode", mode, "--prompts", str(work / "prompts.json"), "--max-tokens", str(args.max_tokens)]
     cmd += ["--score", str(score)] if score else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)  # noqa: S603
@@ -170,9 +274,14 @@ def _worst(a: list[float], b: list[float], atol: float, rtol: float) -> float:
     return worst
 
 
-def compare(alone: dict[str, Any], bridged: dict[str, Any], atol: float, rtol: float) -> dict[str, Any]:
-    """What differs between vLLM alone and vLLM with the bridge, and whether it is within tolerance."""
+def compare(
+    alone: dict[str, Any], bridged: dict[str, Any], atol: float, rtol: float, ops: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """What differs between vLLM alone and vLLM with the bridge, and whether it is within tolerance; ``ops``: the
+    bridged ops that must have been called (default: the layers' and attention's)."""
     from .runtime import BRIDGED_OPS
+
+    ops = BRIDGED_OPS if ops is None else ops
 
     worst_prefill = max(
         (
@@ -203,7 +312,7 @@ def compare(alone: dict[str, Any], bridged: dict[str, Any], atol: float, rtol: f
                 }
             )
     stats = bridged.get("stats", {})
-    calls = {op: sum(stats.get(op, {}).values()) for op in BRIDGED_OPS}
+    calls = {op: sum(stats.get(op, {}).values()) for op in ops}
     uncalled = sorted(op for op, n in calls.items() if op != "gelu_and_mul" and n <= 0)  # Llama has no GELU
     ok = worst_prefill <= 1 and worst_decode <= 1 and all(d["tie"] for d in divergences) and not uncalled
     return {
@@ -214,7 +323,7 @@ def compare(alone: dict[str, Any], bridged: dict[str, Any], atol: float, rtol: f
         "equal_requests": len(alone["ids"]) - len(divergences),
         "divergences": divergences,
         "calls": calls,
-        "providers": {op: sorted(stats.get(op, {})) for op in BRIDGED_OPS},  # "plugin/provider" that served it
+        "providers": {op: sorted(stats.get(op, {})) for op in ops},  # "plugin/provider" that served it
         "uncalled": uncalled,
     }
 
@@ -234,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument(
         "--tiny-llama", action="store_true", help="build a tiny random Llama 3.1 (tiny_llama) and run it"
     )
+    model.add_argument(
+        "--tiny-llama-fp8", action="store_true", help="the tiny Llama as an FP8-dynamic checkpoint (tiny_llama_fp8)"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -249,13 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    atol, rtol = tolerance(args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.tiny_llama:
             args.model = str(tiny_llama(work / "tiny-llama"))
+        elif args.tiny_llama_fp8:
+            args.model = str(tiny_llama_fp8(work / "tiny-llama-fp8"))
+        ops = _checked_ops(args.model)
+        atol, rtol = tolerance(args.dtype, ops)
         report: dict[str, Any] = {
-            "model": "tiny-llama" if args.tiny_llama else args.model,
+            "model": "tiny-llama" if args.tiny_llama else "tiny-llama-fp8" if args.tiny_llama_fp8 else args.model,
             "dtype": args.dtype,
             "atol": atol,
             "rtol": rtol,
@@ -263,11 +378,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         (work / "prompts.json").write_text(json.dumps(_prompts(args.model, args.requests, args.prompt_len)))
         for mode in args.modes.split(","):
+            if "fp8_linear" in ops:
+                report["modes"][mode] = _check_fp8(args, mode, work, ops)
+                report["vllm_version"] = report["modes"][mode].pop("vllm_version")
+                continue
             alone = _run(args, mode, False, work, None)
             (work / "score.json").write_text(json.dumps(alone["scored"]))
             bridged = _run(args, mode, True, work, work / "score.json")
             report["modes"][mode] = {
-                **compare(alone, bridged, atol, rtol),
+                **compare(alone, bridged, atol, rtol, ops),
                 "exits": {"alone": alone["exit"], "bridged": bridged["exit"]},
             }
             report["vllm_version"] = alone["vllm_version"]

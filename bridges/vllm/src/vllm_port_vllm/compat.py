@@ -36,6 +36,14 @@ _WATCHED = (
     "vllm.v1.attention.backend:AttentionMetadataBuilder.build",
     "vllm.v1.attention.backends.utils:split_decodes_and_prefills",
     "vllm.v1.attention.backends.registry:register_backend",
+    "vllm.model_executor.kernels.linear:register_linear_kernel",
+    "vllm.model_executor.kernels.linear:init_fp8_linear_kernel",
+    "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:ScaledMMLinearKernel.is_supported",
+    "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:ScaledMMLinearKernel.can_implement",
+    "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.__init__",
+    "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.process_weights_after_loading",
+    "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel._get_layer_params",
+    "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.apply_weights",
 )
 
 #: minor version -> watched name -> str(inspect.signature(...)) in that release
@@ -57,6 +65,14 @@ KNOWN: dict[str, dict[str, str]] = {
         "vllm.v1.attention.backend:AttentionMetadataBuilder.build": "(self, common_prefix_len: int, common_attn_metadata: vllm.v1.attention.backend.CommonAttentionMetadata, fast_build: bool = False) -> ~M",
         "vllm.v1.attention.backends.utils:split_decodes_and_prefills": "(common_attn_metadata: vllm.v1.attention.backend.CommonAttentionMetadata, decode_threshold: int = 1, require_uniform: bool = False, treat_short_extends_as_decodes: bool = True) -> tuple[int, int, int, int]",
         "vllm.v1.attention.backends.registry:register_backend": "(backend: vllm.v1.attention.backends.registry.AttentionBackendEnum | vllm.v1.attention.backends.registry.MambaAttentionBackendEnum | str, class_path: str | None = None, is_mamba: bool = False) -> collections.abc.Callable[[type], type]",
+        "vllm.model_executor.kernels.linear:register_linear_kernel": "(kernel_class: type, platform: vllm.platforms.interface.PlatformEnum, kernel_type: str = 'mp') -> None",
+        "vllm.model_executor.kernels.linear:init_fp8_linear_kernel": "(activation_quant_key: vllm.model_executor.layers.quantization.utils.quant_utils.QuantKey, weight_quant_key: vllm.model_executor.layers.quantization.utils.quant_utils.QuantKey, input_dtype: torch.dtype, out_dtype: torch.dtype, weight_shape: tuple[int, int], force_kernel: type[vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel.FP8ScaledMMLinearKernel] | None = None, module_name: str | None = None) -> vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel.FP8ScaledMMLinearKernel | vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel.Fp8BlockScaledMMLinearKernel",
+        "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:ScaledMMLinearKernel.is_supported": "(compute_capability: int | None = None) -> tuple[bool, str | None]",
+        "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:ScaledMMLinearKernel.can_implement": "(c: ~_ConfigT) -> tuple[bool, str | None]",
+        "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.__init__": "(self, c: vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel.FP8ScaledMMLinearLayerConfig, layer_param_names: collections.abc.Sequence[str]) -> None",
+        "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.process_weights_after_loading": "(self, layer: torch.nn.modules.module.Module) -> None",
+        "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel._get_layer_params": "(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]",
+        "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.apply_weights": "(self, layer: torch.nn.modules.module.Module, x: torch.Tensor | vllm.model_executor.layers.fusion.quant_activation.QuantizedActivation, bias: torch.Tensor | None = None) -> torch.Tensor",
     },
 }
 

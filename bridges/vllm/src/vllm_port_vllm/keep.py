@@ -19,8 +19,9 @@ from .errors import BridgeError
 __all__ = ["KEEP_ENV", "PARTS", "kept_parts"]
 
 KEEP_ENV = "VLLM_BRIDGE_KEEP"
-#: the parts a run may keep on vLLM: the bridged layer classes (``RotaryEmbedding``: every rope class) and attention
-PARTS = ("RMSNorm", "SiluAndMul", "GeluAndMul", "RotaryEmbedding", "attention")
+#: the parts a run may keep on vLLM: the bridged layer classes (``RotaryEmbedding``: every rope class), attention
+#: and the FP8 linear layers
+PARTS = ("RMSNorm", "SiluAndMul", "GeluAndMul", "RotaryEmbedding", "attention", "fp8_linear")
 
 
 def kept_parts(value: str | None = None) -> frozenset[str]:

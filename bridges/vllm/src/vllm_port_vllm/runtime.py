@@ -23,7 +23,7 @@ from vllm_port.runtime import Runtime
 from .certificate import check_certificate
 from .errors import BridgeError
 
-__all__ = ["BRIDGED_OPS", "Bridge", "bridge", "kernels", "prepare", "reset"]
+__all__ = ["BRIDGED_OPS", "ON_DEMAND_OPS", "Bridge", "bridge", "kernels", "prepare", "reset"]
 
 #: The contract ops the bridge routes vLLM's layers to.
 BRIDGED_OPS = (
@@ -36,6 +36,9 @@ BRIDGED_OPS = (
     "prefill_attention",
     "paged_attention",
 )
+
+#: Ops routed only where the model has the layer (an FP8 linear), checked when vLLM builds one (:meth:`Bridge.require`).
+ON_DEMAND_OPS = ("fp8_linear",)
 
 _lock = threading.Lock()
 _bridge: Bridge | None = None
@@ -55,6 +58,7 @@ class Bridge:
         self.runtime = runtime
         self.certificate = certificate
         self._bound: dict[torch.dtype, BoundOps] = {}
+        self._required: set[tuple[torch.dtype, str]] = set()  # (dtype, op) checked by require()
 
     @property
     def plugin(self) -> str:
@@ -81,8 +85,24 @@ class Bridge:
             bound = self.runtime.bind(dtype, strict=False)
         except VllmPortError as exc:
             raise BridgeError(f"vllm-port bridge: plugin {self.plugin!r} cannot serve {dtype} in vLLM: {exc}") from exc
+        self._refuse_unsound(bound, dtype, BRIDGED_OPS)
+        return bound
+
+    def require(self, dtype: torch.dtype, ops: tuple[str, ...]) -> None:
+        """Check ``ops`` as :meth:`kernels` checks the layers' ops, for parts a model may not have (FP8 layers).
+
+        :raises BridgeError: as :meth:`kernels` does, for these ops.
+        """
+        todo = tuple(op for op in ops if (dtype, op) not in self._required)
+        if todo:
+            bound = self.kernels(dtype)
+            with _lock:
+                self._refuse_unsound(bound, dtype, todo)
+                self._required.update((dtype, op) for op in todo)
+
+    def _refuse_unsound(self, bound: BoundOps, dtype: torch.dtype, ops: tuple[str, ...]) -> None:
         failed = []
-        for name in BRIDGED_OPS:
+        for name in ops:
             chosen = bound.providers[name]
             raw = next(  # the registered provider, not the VLLM_PORT_STATS counter around it: checks are not calls
                 p for p in self.runtime.registry.candidates(name) if (p.name, p.plugin) == (chosen.name, chosen.plugin)
@@ -95,20 +115,19 @@ class Bridge:
                 f"vllm-port bridge: plugin {self.plugin!r} cannot serve {dtype} in vLLM: {'; '.join(failed)}. The "
                 "bridge runs only providers that pass: fix them (vllm-port doctor shows each check)"
             )
-        uncovered = [op for op in BRIDGED_OPS if bound.providers[op].name == REFERENCE]
+        uncovered = [op for op in ops if bound.providers[op].name == REFERENCE]
         if uncovered:
             raise BridgeError(
                 f"vllm-port bridge: plugin {self.plugin!r} has no provider for {', '.join(uncovered)} in {dtype}, so "
                 "vllm-port's reference would run there; give the plugin providers for them (or run vLLM without "
                 "the bridge: pip uninstall vllm-port-vllm)"
             )
-        return bound
 
     def traced(self, dtype: torch.dtype) -> BoundOps:
         """The ops of :meth:`kernels` as custom ops, for ``torch.compile`` (the same providers)."""
         eager = self.kernels(dtype)
         traced = self.runtime.bind(dtype, traceable=True, strict=False)
-        moved = [op for op in BRIDGED_OPS if traced.providers[op].name != eager.providers[op].name]
+        moved = [op for op in (*BRIDGED_OPS, *ON_DEMAND_OPS) if traced.providers[op].name != eager.providers[op].name]
         if moved:
             raise BridgeError(
                 f"vllm-port bridge: binding for torch.compile chose other providers for {', '.join(moved)}"
@@ -148,14 +167,17 @@ def _load() -> Bridge:
     return Bridge(Runtime(discovery, selected, reason), certificate)
 
 
-def prepare(dtype: torch.dtype) -> None:
-    """Bind ``dtype`` for eager calls and for tracing (strict, smoke-checked: :meth:`Bridge.kernels`).
+def prepare(dtype: torch.dtype, ops: tuple[str, ...] = ()) -> None:
+    """Bind ``dtype`` for eager calls and for tracing (strict, smoke-checked: :meth:`Bridge.kernels`), and check
+    ``ops`` beyond the layers' (:meth:`Bridge.require`: an FP8 layer's ``fp8_linear``).
 
     vLLM's layers call this when they are built, so that tracing later only reads a dict.
     """
+    b = bridge()
+    if ops:
+        b.require(dtype, ops)
     if dtype in _eager:
         return
-    b = bridge()
     _eager[dtype] = b.kernels(dtype)
     _traced[dtype] = b.traced(dtype)
 
