@@ -5,21 +5,18 @@ Here every path is one CUDA graph of calls over 8 copies of the weight (more byt
 step's layers are), replayed; per call. Rows: Llama-3-8B's and Qwen3-30B-A3B's projections (the bench's
 ``SHAPES``), bf16 activations, e4m3 weights with per-channel scales. Columns:
 
-- ``fp8_linear``: the CUDA target's bound Triton provider as the engine runs it (up to ``fp8_exact_rows``: the
-  exact product on ``linear``'s kernel, the weight widened in registers; more: per-token quantisation, then the
-  FP8 dot), checked against the op's oracle first; ``fp8_linear quantised``: the quantised path at every size;
+- ``fp8_linear``: the CUDA target's bound Triton provider as the engine runs it (one row: the one-row kernel;
+  more: per-token quantisation, then the FP8 dot), checked against the op's oracle first;
 - ``scaled_mm``: ``torch._scaled_mm`` on activations already in e4m3 with one scale per row (rowwise, as
   per-token quantisation makes them): cuBLASLt's matmul alone;
 - ``scaled_mm+quant``: the same behind torch's per-token quantisation (amax, divide, convert), captured too;
 - ``bf16``: ``torch.nn.functional.linear`` on the bf16 weight (cuBLAS).
 
-Usage on the GPU: ``python3 dev/experiments/probe_fp8_rows.py [OUT.json] [ROWS]`` (ROWS: e.g. ``2,4,8,16``; default
-every count of :data:`ROWS`).
+Usage on the GPU: ``python3 dev/experiments/probe_fp8_rows.py [OUT.json]``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -70,20 +67,17 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; copy bandwidth {copy:.0f} GB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     kernels = Fp8LinearKernels(CUDA)
-    quantising = Fp8LinearKernels(dataclasses.replace(CUDA, fp8_exact_rows=0))
     rows = []
     for name, (k, n) in SHAPES.items():
         dense = [(torch.randn(n, k, generator=gen) / k**0.5).to(device, torch.bfloat16) for _ in range(COPIES)]
         quantised = [tuple(t.to(device) for t in quantize_fp8_weight(w.float(), "channel")) for w in dense]
-        for m in [int(r) for r in sys.argv[2].split(",")] if len(sys.argv) > 2 else ROWS:
+        for m in ROWS:
             x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
             fp8 = [(x, q, s, None) for q, s in quantised]
             row = {"shape": name, "m": m, "k": k, "n": n, "copy_gbs": copy}
             problem = fp8_linear.check(kernels.fp8_linear, fp8[0], torch.bfloat16)
             row["fp8_linear ok"] = problem is None
             row["fp8_linear us"] = graph_us(kernels.fp8_linear, fp8)
-            if m > 1:  # the quantised path beside it (what 2-16 rows took before fp8_exact_rows)
-                row["fp8_linear quantised us"] = graph_us(quantising.fp8_linear, fp8)
             xq, xs = quantise_rows(x)
             scaled = [(q, s.view(1, -1)) for q, s in quantised]
             try:
@@ -112,7 +106,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del dense, quantised
         torch.cuda.empty_cache()
-    if len(sys.argv) > 1 and sys.argv[1] != "-":
+    if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as out:
             json.dump(rows, out, indent=1)
 

@@ -128,9 +128,6 @@ class TritonTarget:
         fp8_one_row: tiles of ``linear``'s one-row kernel for ``fp8_linear`` of one row with a per-tensor or
             per-channel scale (the weight widened in registers, no activation quantisation, one launch);
             None: one row takes ``fp8_skinny``.
-        fp8_exact_rows: the most rows ``fp8_linear`` with a per-tensor or per-channel scale computes exactly on
-            ``linear``'s tensor-core path (``linear_dot`` tiles, the e4m3 weight widened to ``x``'s dtype in
-            registers: no quantising launch); 2 rows and more, up to it. 0: they take ``fp8_skinny``.
     """
 
     name: str
@@ -163,7 +160,6 @@ class TritonTarget:
     fp8_wide: MatmulTiles = MatmulTiles(128, 128, 128, 8, 3)
     fp8_dot: bool = False
     fp8_one_row: LinearTiles | None = None
-    fp8_exact_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.prefill_order not in PREFILL_ORDERS:
@@ -192,5 +188,4 @@ INTERPRETER = TritonTarget(
     fp8_skinny=MatmulTiles(16, 32, 64, 4, 1, 4),
     fp8_wide=MatmulTiles(32, 32, 64, 4, 1),
     fp8_one_row=LinearTiles(16, 32, 4, 1),
-    fp8_exact_rows=16,
 )

@@ -40,9 +40,7 @@ __all__ = ["CUDA", "CUDA_AMPERE", "CUDA_COMPACT"]
 #: One row of ``fp8_linear`` (batch-1 decode) takes ``linear``'s one-row kernel with the e4m3 weight widened
 #: in registers (``fp8_one_row``): 8 outputs a program, 1,024 input features (1 KiB of each weight row) a step,
 #: 3 stages, split to one wave: the fastest of 7 tilings over Llama-3-8B's four projections on an H200
-#: (dev/experiments/probe_fp8_one_row.py; docs/results/fp8-linear-h200.md). Two to 16 rows take its tensor-core
-#: path (``fp8_exact_rows``, ``linear_dot`` tiles) with the weight widened to bfloat16 in registers: the exact
-#: product, one launch (dev/experiments/probe_fp8_rows.py).
+#: (dev/experiments/probe_fp8_one_row.py; docs/results/fp8-linear-h200.md).
 CUDA = TritonTarget(
     "cuda",
     elementwise_block=2048,
@@ -66,7 +64,6 @@ CUDA = TritonTarget(
     moe_large=MoeTiles(64, 128, 64, 4, 3),
     fp8_dot=True,
     fp8_one_row=LinearTiles(8, 1024, 4, 3, 1),
-    fp8_exact_rows=16,
 )
 #: NVIDIA Ampere data-centre parts (sm_80, sm_87: 163 KiB of shared memory a block, no TMA): the kernels'
 #: pre-Hopper configuration, as measured on the H200 before the Hopper target (128 x 64 prefill tiles, 3 stages:

@@ -16,8 +16,6 @@ One row (batch-1 decode) with a per-tensor or per-channel scale takes ``linear``
 instead, where the target gives it tiles (``fp8_one_row``): one launch, the e4m3 weight widened to
 float32 in registers on the vector units, times ``x`` as it is, the scale applied to the sums. That is
 the exact product the contract also allows, and at one row the weight's bytes are the whole cost.
-Two rows and more, up to ``fp8_exact_rows``, take the same kernel's tensor-core path, the weight widened
-to ``x``'s dtype (which holds every e4m3 value): the exact product again, in one launch.
 
 Where a target has no FP8 dot (``fp8_dot=False``: Ampere, ROCm's MI300 whose FP8 is the fnuz variant,
 XPU, Triton's CPU interpreter), the e4m3 operands are widened to bfloat16 before the dot (exact: every
@@ -204,7 +202,7 @@ class Fp8LinearKernels:
 
     def __init__(self, target: TritonTarget) -> None:
         self.target = target
-        self._exact = LinearKernels(target)  # a few tokens: linear's split-K kernel, the weight widened in registers
+        self._one_row = LinearKernels(target)  # one token: linear's one-row kernel, the weight widened in registers
 
     def supports(self, ctx: BindContext) -> bool:
         """Bind-time predicate: the target enables the kernel (``fp8_skinny_rows`` > 0)."""
@@ -219,11 +217,9 @@ class Fp8LinearKernels:
         rows = math.prod(x.shape[:-1])
         if x.dtype not in _DTYPES or rows == 0 or n == 0 or k == 0:
             return fp8_linear_reference(x, weight, weight_scale, bias)  # float64, or nothing to compute
-        exact = (rows == 1 and self.target.fp8_one_row is not None) or 1 < rows <= self.target.fp8_exact_rows
-        if exact and scale_granularity(weight, weight_scale) != "group":
-            # a few tokens: the weight widened in registers (one row on vector units, more on tensor cores), the
-            # exact product, no quantising launch
-            return self._exact._launch(x, weight, bias, weight_scale=weight_scale, one_row=self.target.fp8_one_row)
+        if rows == 1 and self.target.fp8_one_row is not None and scale_granularity(weight, weight_scale) != "group":
+            # one token: the weight widened in registers on vector units, the exact product (no quantising launch)
+            return self._one_row._launch(x, weight, bias, weight_scale=weight_scale, one_row=self.target.fp8_one_row)
         return self._launch(x, weight, weight_scale, bias)
 
     def _launch(

@@ -110,8 +110,6 @@ def _skinny_linear_kernel(
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy="evict_first")
             if DOT_FP32:
                 x, w = x.to(tl.float32), w.to(tl.float32)
-            elif SCALE != 0:  # an e4m3 weight (fp8_linear): widened to x's dtype, which holds every e4m3 value
-                w = w.to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
@@ -253,7 +251,7 @@ class LinearKernels:
         """Run the kernel; ``split_k`` forces a split count (tests), else :func:`_splits` chooses.
 
         ``weight_scale`` (float32, one value or one per output) multiplies the product: ``fp8_linear``'s
-        exact path, an e4m3 weight widened in registers. ``one_row`` replaces the target's
+        one-row path, an e4m3 weight widened in registers. ``one_row`` replaces the target's
         ``linear_fma`` tiles for a single row.
         """
         n, k = weight.shape
