@@ -183,6 +183,8 @@ for label, weights, activations in [
     ("tensor weights, dynamic token activations", q.kFp8StaticTensorSym, q.kFp8DynamicTokenSym),
     ("tensor weights, static tensor activations", q.kFp8StaticTensorSym, q.kFp8StaticTensorSym),
     ("channel weights, dynamic tensor activations", q.kFp8StaticChannelSym, q.kFp8DynamicTensorSym),
+    ("per-row weights, dynamic token activations", q.kFp8StaticTokenSym, q.kFp8DynamicTokenSym),
+    ("channel weights, static token activations", q.kFp8StaticChannelSym, q.kFp8StaticTokenSym),
 ]:
     config = FP8ScaledMMLinearLayerConfig(weight_quant_key=weights, activation_quant_key=activations,
                                           weight_shape=(64, 32), input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
@@ -195,14 +197,16 @@ print(json.dumps(said))
 
 
 def test_fp8_layers_the_op_does_not_compute_are_refused_naming_what_they_ask(bridge_python: Path) -> None:
-    """Static or per-batch activation scales are another computation than ``fp8_linear``'s per-token one: the
-    bridge's kernel refuses them by name (never leaving them to vLLM's kernel in silence), and takes the rest."""
+    """Static activation scales from the checkpoint are another computation than ``fp8_linear``'s on-the-fly one:
+    the bridge's kernel refuses them by name (never leaving them to vLLM's kernel in silence). Dynamic scales of
+    any granularity (vLLM's CPU build runs vLLM's own ``fp8`` format per tensor) and weights with one scale per
+    tensor or per output row (vLLM calls that "per channel" or "per token") are taken."""
     done = subprocess.run([str(bridge_python), "-c", _FP8_CONFIGS], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.splitlines()[-1])
-    assert said["channel weights, dynamic token activations"] == "(True, None)"
-    assert said["tensor weights, dynamic token activations"] == "(True, None)"
-    for label in ("tensor weights, static tensor activations", "channel weights, dynamic tensor activations"):
+    for label in ("channel weights, dynamic token activations", "tensor weights, dynamic token activations",
+                  "channel weights, dynamic tensor activations", "per-row weights, dynamic token activations"):  # fmt: skip
+        assert said[label] == "(True, None)", (label, said[label])
+    for label in ("tensor weights, static tensor activations", "channel weights, static token activations"):
         assert "vllm-port bridge" in said[label] and "VLLM_BRIDGE_KEEP=fp8_linear" in said[label], said[label]
-    assert "static activation scales" in said["tensor weights, static tensor activations"]
-    assert "dynamic activation scales" in said["channel weights, dynamic tensor activations"]
+        assert "static activation scales" in said[label], said[label]

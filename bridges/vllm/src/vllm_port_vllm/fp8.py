@@ -3,19 +3,22 @@
 vLLM picks the kernel of an FP8 linear layer from a list per platform (``register_linear_kernel``,
 ``kernel_type="fp8"``): the first class whose ``is_supported`` and ``can_implement`` accept the
 layer's configuration. The bridge puts :class:`VllmPortFp8Kernel` at the head of the current
-platform's list, so every FP8 layer vLLM builds with per-tensor or per-channel e4m3 weights comes
-here: checkpoints in vLLM's own ``fp8`` format and compressed-tensors' ``float-quantized`` ones alike.
+platform's list, so the FP8 layers vLLM builds through that list come here: e4m3 weights with one
+scale per tensor or per output channel (vLLM's ``fp8`` format, compressed-tensors' ``float-quantized``,
+ModelOpt's and FBGEMM's per-channel ones), activations quantised on the fly.
 
-``fp8_linear`` quantises each token's activations on the fly (one scale per token, e4m3), as the
-checkpoints that say "dynamic, per token" ask (compressed-tensors' FP8-dynamic). A layer that asks
-for anything else is refused by name, not run on vLLM's kernel in silence:
+``fp8_linear`` quantises each token's activations (or computes the exact product), which is at least as
+accurate as any dynamic scheme vLLM would run for the layer (one scale per token, or one for the batch
+where the platform lacks per-token kernels). A layer that asks for anything else is refused by name, not
+run on vLLM's kernel in silence: activations with a static scale from the checkpoint (``input_scale``),
+an upper bound on the activations' scale (FBGEMM's ``input_scale_ub``), an output dtype other than the
+activations'.
 
-- activations with a static scale from the checkpoint (``input_scale``) or one dynamic scale for the
-  whole batch: the contract op would compute another quantisation than the one the model was
-  calibrated for;
-- weights in 128 x 128 blocks (DeepSeek-V3 and transformers' FineGrainedFP8): vLLM routes those
-  through its block-scaled kernels, a list the bridge does not reach (``docs/vllm-bridge.md``);
-- an output dtype other than the activations'.
+What does not reach this list, and so runs on vLLM's kernels (``VLLM_PORT_STATS`` shows ``fp8_linear``
+uncalled; ``python -m vllm_port_vllm.check`` fails an FP8 model for it): weights in 128 x 128 blocks (their
+own kernel list), compressed-tensors FP8 where vLLM runs it weight-only (XPU, CUDA before sm_89), vLLM's
+``VLLM_BATCH_INVARIANT`` mode, a ``--linear-backend`` naming one of vLLM's kernels, and
+``VLLM_DISABLED_KERNELS=VllmPortFp8Kernel`` (docs/vllm-bridge.md).
 
 ``VLLM_BRIDGE_KEEP=fp8_linear`` leaves every FP8 layer on vLLM's own kernels instead.
 """
@@ -63,14 +66,15 @@ def _kernel_class() -> type:
         @classmethod
         def can_implement(cls, c: Any) -> tuple[bool, str | None]:
             weights, activations = c.weight_quant_key.scale, c.activation_quant_key.scale
-            if not (weights.group_shape.is_per_tensor() or weights.group_shape.is_per_channel()):
-                raise _refusal(f"weight scales {_granularity(weights.group_shape)}")
+            shape = weights.group_shape  # of the [out, in] weight: one per output row is "per token" in vLLM's words
+            if not (shape.is_per_tensor() or shape.is_per_channel() or shape.is_per_token()):
+                raise _refusal(f"weight scales {_granularity(shape)}")
+            if c.weight_quant_key.dtype != torch.float8_e4m3fn:
+                raise _refusal(f"{c.weight_quant_key.dtype} weights (fp8_linear takes float8_e4m3fn)")
             if activations.static:
                 raise _refusal(
                     f"static activation scales {_granularity(activations.group_shape)} (from the checkpoint)"
                 )
-            if not activations.group_shape.is_per_token():
-                raise _refusal(f"dynamic activation scales {_granularity(activations.group_shape)}")
             if c.out_dtype is not None and c.out_dtype != c.input_dtype:
                 raise _refusal(f"{c.input_dtype} activations and {c.out_dtype} outputs")
             return True, None
@@ -83,7 +87,9 @@ def _kernel_class() -> type:
             pass  # vLLM's scheme already stored the weight as [in_features, out_features], which the op reads as a view
 
         def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
-            weight, scale, _, _ = self._get_layer_params(layer)
+            weight, scale, _, bound = self._get_layer_params(layer)
+            if bound is not None:
+                raise _refusal("an upper bound on the activations' scale (input_scale_ub)")
             scale = scale.reshape(-1) if scale.numel() > 1 else scale.reshape(())  # [out] or per tensor
             return _kernels(x.dtype).fp8_linear(x, weight.t(), scale, bias)
 
