@@ -12,7 +12,8 @@ step's layers are), replayed; per call. Rows: Llama-3-8B's and Qwen3-30B-A3B's p
 - ``scaled_mm+quant``: the same behind torch's per-token quantisation (amax, divide, convert), captured too;
 - ``bf16``: ``torch.nn.functional.linear`` on the bf16 weight (cuBLAS).
 
-Usage on the GPU: ``python3 dev/experiments/probe_fp8_rows.py [OUT.json]``.
+Usage on the GPU: ``python3 dev/experiments/probe_fp8_rows.py [OUT.json]``. The numbers in ``fp8-linear-h200.md`` came
+from it at 85005ad, whose own copy of ``graph_us`` replayed 10 times after one warm-up replay (now 20 after 3).
 """
 
 from __future__ import annotations
@@ -22,43 +23,17 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from probe_fp8_one_row import graph_us  # this folder's other probe: one CUDA graph of calls, replayed
 
 from vllm_port.bench._timing import copy_bandwidth_gbs
 from vllm_port.bench.fp8_linear import SHAPES
 from vllm_port.kernels.triton.fp8_linear import Fp8LinearKernels
 from vllm_port.ops import fp8_linear
-from vllm_port.ops.fp8 import FP8_MAX, quantize_fp8_weight
+from vllm_port.ops.fp8 import quantize_fp8_rows, quantize_fp8_weight
 from vllm_port_cuda.triton_targets import CUDA
 
 ROWS = (1, 2, 4, 8, 16, 64, 256, 4096)
 COPIES = 8
-
-
-def graph_us(fn, calls, replays: int = 10) -> float:
-    """Per call: one CUDA graph of ``fn`` over ``calls``, replayed (after a warm-up outside the graph)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in calls:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in calls:
-            fn(*args)
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * begin.elapsed_time(end) / (replays * len(calls))
-
-
-def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def main() -> None:
@@ -78,7 +53,7 @@ def main() -> None:
             problem = fp8_linear.check(kernels.fp8_linear, fp8[0], torch.bfloat16)
             row["fp8_linear ok"] = problem is None
             row["fp8_linear us"] = graph_us(kernels.fp8_linear, fp8)
-            xq, xs = quantise_rows(x)
+            xq, xs = quantize_fp8_rows(x)
             scaled = [(q, s.view(1, -1)) for q, s in quantised]
             try:
                 row["scaled_mm us"] = graph_us(
@@ -89,7 +64,7 @@ def main() -> None:
                 )
 
                 def quantise_then_mm(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor = x) -> torch.Tensor:
-                    a, a_scale = quantise_rows(x)
+                    a, a_scale = quantize_fp8_rows(x)
                     return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=s, out_dtype=torch.bfloat16)
 
                 row["scaled_mm+quant us"] = graph_us(quantise_then_mm, scaled)

@@ -116,17 +116,16 @@ class Bridge:
                 "bridge runs only providers that pass: fix them (vllm-port doctor shows each check)"
             )
         uncovered = [op for op in ops if bound.providers[op].name == REFERENCE]
-        if uncovered and set(uncovered) <= set(ON_DEMAND_OPS):
-            raise BridgeError(
-                f"vllm-port bridge: plugin {self.plugin!r} has no provider for {', '.join(uncovered)} in {dtype}, so "
-                "vllm-port's reference would run this model's FP8 layers; give the plugin a provider, or keep them on "
-                "vLLM's kernels with VLLM_BRIDGE_KEEP=fp8_linear"
-            )
         if uncovered:
+            keep = "keep these layers on vLLM's kernels with VLLM_BRIDGE_KEEP=fp8_linear"
+            otherwise = (
+                keep
+                if set(uncovered) <= set(ON_DEMAND_OPS)
+                else "run vLLM without the bridge: pip uninstall vllm-port-vllm"
+            )
             raise BridgeError(
                 f"vllm-port bridge: plugin {self.plugin!r} has no provider for {', '.join(uncovered)} in {dtype}, so "
-                "vllm-port's reference would run there; give the plugin providers for them (or run vLLM without "
-                "the bridge: pip uninstall vllm-port-vllm)"
+                f"vllm-port's reference would run there; give the plugin providers for them (or {otherwise})"
             )
 
     def traced(self, dtype: torch.dtype) -> BoundOps:
