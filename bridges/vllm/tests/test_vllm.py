@@ -210,3 +210,73 @@ def test_fp8_layers_the_op_does_not_compute_are_refused_naming_what_they_ask(bri
     for label in ("tensor weights, static tensor activations", "channel weights, static token activations"):
         assert "vllm-port bridge" in said[label] and "VLLM_BRIDGE_KEEP=fp8_linear" in said[label], said[label]
         assert "static activation scales" in said[label], said[label]
+
+
+_FP8_SETTINGS = """
+import json, os, torch
+from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.kernels import linear
+from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+from vllm.model_executor.layers.quantization.utils import quant_utils as q
+from vllm.platforms import current_platform
+from vllm_port_vllm.errors import BridgeError
+from vllm_port_vllm.fp8 import _kernel_class, register_fp8
+
+register_fp8()
+config = FP8ScaledMMLinearLayerConfig(weight_quant_key=q.kFp8StaticChannelSym, activation_quant_key=q.kFp8DynamicTokenSym,
+                                      weight_shape=(64, 32), input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+
+
+class TakesAnything:  # stands for a kernel vLLM has for a list the bridge is not in (none on this CPU)
+    is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
+    can_implement = classmethod(lambda cls, c: (True, None))
+
+
+for kernels in (linear._POSSIBLE_FP8_BLOCK_KERNELS, linear._POSSIBLE_WFP8A16_KERNELS):
+    kernels.setdefault(current_platform._enum, []).append(TakesAnything)
+said = {}
+
+
+def attempt(label, scheme="fp8_w8a8", kernels=linear._POSSIBLE_FP8_KERNELS, **env):
+    os.environ.update(env)
+    try:
+        if env.get("VLLM_BATCH_INVARIANT"):
+            said[label] = str(_kernel_class()(config, ["weight", "weight_scale", "input_scale", "input_scale_ub"]))
+        else:
+            said[label] = linear.choose_scaled_mm_linear_kernel(config, kernels, quantization=scheme).__name__
+    except BridgeError as exc:
+        said[label] = str(exc)
+    for name in env:
+        del os.environ[name]
+
+
+attempt("default")
+attempt("disabled", VLLM_DISABLED_KERNELS="VllmPortFp8Kernel")
+attempt("batch invariant", VLLM_BATCH_INVARIANT="1")
+attempt("blocks", "fp8_block_w8a8", linear._POSSIBLE_FP8_BLOCK_KERNELS)
+attempt("weight-only", "w8a16_fp8", linear._POSSIBLE_WFP8A16_KERNELS)
+with set_current_vllm_config(VllmConfig(kernel_config=KernelConfig(linear_backend="torch"))):
+    attempt("linear backend")
+print(json.dumps(said))
+"""
+
+
+def test_fp8_layers_vllm_would_give_its_own_kernel_are_refused_naming_the_cause(bridge_python: Path) -> None:
+    """Every FP8 linear layer chooses its kernel through vLLM's ``choose_scaled_mm_linear_kernel``: where a setting
+    (``VLLM_DISABLED_KERNELS``, a linear backend, batch invariance) or the layer's scheme (weights in blocks, FP8
+    weights only) would give it one of vLLM's kernels, the bridge refuses when the layer is built, naming the
+    cause; with none of them the bridge's kernel is chosen."""
+    done = subprocess.run([str(bridge_python), "-c", _FP8_SETTINGS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said.pop("default") == "VllmPortFp8Kernel"
+    causes = {
+        "disabled": "VLLM_DISABLED_KERNELS naming VllmPortFp8Kernel",
+        "batch invariant": "VLLM_BATCH_INVARIANT=1",
+        "blocks": "weights in blocks",
+        "weight-only": "FP8 weights only",
+        "linear backend": "the linear backend 'torch'",
+    }
+    for label, cause in causes.items():
+        assert said[label].startswith("vllm-port bridge:") and cause in said[label], (label, said[label])
+        assert "VLLM_BRIDGE_KEEP=fp8_linear" in said[label], said[label]

@@ -7,11 +7,13 @@ step launched with a feed of the previous step's sampled ids) where it could, an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from llm_helpers import assert_pool_empty, make_llm, prompts
 
 from vllm_port import LLM, SamplingParams
-from vllm_port.engine.config import EngineConfig
+from vllm_port.engine.config import RUNS_AHEAD_BY_DEFAULT, EngineConfig
 from vllm_port.engine.request import Request
 from vllm_port.engine.scheduler import PLACEHOLDER, Scheduler, SchedulerConfig, SchedulerOutput
 from vllm_port.engine.step_ahead import feed_rows
@@ -174,18 +176,24 @@ def test_config_refuses_what_it_cannot_run():
         LLM(async_scheduling="yes")
 
 
-def test_by_default_steps_run_ahead_on_one_accelerator_and_not_on_a_host(llama_model, cpu_runtime):
-    """``async_scheduling=None`` (the default, as vLLM's) runs ahead where it was measured to pay: one accelerator
-    device running a core model definition; a host platform ("cpu") gains nothing from it and stays synchronous."""
-    assert EngineConfig().runs_ahead_on("cuda") and EngineConfig(async_scheduling=None).runs_ahead_on("xpu")
-    assert not EngineConfig().runs_ahead_on("cpu")
-    assert EngineConfig(async_scheduling=True).runs_ahead_on("cpu")
+def test_by_default_steps_run_ahead_where_measured_and_not_on_a_host(llama_model, cpu_runtime):
+    """``async_scheduling=None`` (the default, as vLLM's) runs ahead where it was measured to pay: one device of
+    the cuda platform running a core model definition; a host platform ("cpu") gains nothing from it, and ROCm
+    and XPU were never measured: they stay synchronous unless asked."""
+    assert RUNS_AHEAD_BY_DEFAULT == {"cuda"} and EngineConfig().runs_ahead_on("cuda")
+    assert not any(EngineConfig(async_scheduling=None).runs_ahead_on(p) for p in ("cpu", "rocm", "xpu", "newchip"))
+    assert EngineConfig(async_scheduling=True).runs_ahead_on("cpu") and EngineConfig(
+        async_scheduling=True
+    ).runs_ahead_on("rocm")
     assert not EngineConfig(async_scheduling=False).runs_ahead_on("cuda")
     for several in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"devices": ["cpu", "cpu"]},
                     {"distributed_executor_backend": "external_launcher"}, {"importer": "flat"}):  # fmt: skip
         assert not EngineConfig(**several).runs_ahead_on("cuda"), several
     llm = make_llm(llama_model, cpu_runtime)
-    assert llm.engine_config.async_scheduling is False  # resolved: what the engine does, not None
+    assert llm.runs_ahead is False  # resolved for the platform: what the engine does
+    # the config stays as given, so a replaced one resolves again (True would refuse tensor parallelism)
+    assert llm.engine_config.async_scheduling is None
+    assert dataclasses.replace(llm.engine_config, tensor_parallel_size=2).runs_ahead_on("cuda") is False
     llm.close()
 
 

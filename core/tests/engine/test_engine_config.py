@@ -111,8 +111,8 @@ def test_from_config_builds_the_engine_llm_builds(llama_model, cpu_runtime):
     config = EngineConfig(model=str(llama_model), device=cpu_runtime, **arguments)
     direct = make_llm(llama_model, cpu_runtime, **arguments)
     built = LLM.from_config(config)
-    resolved = dataclasses.replace(config, async_scheduling=False)  # the default (None) as the cpu platform runs it
-    assert built.engine_config == resolved == direct.engine_config
+    assert built.engine_config == config == direct.engine_config  # as given: async_scheduling None stays None
+    assert built.runs_ahead is direct.runs_ahead is False  # the default as the cpu platform runs it
     assert (built.max_model_len, built.runner.pool.num_blocks, built.runner.block_size, built.dtype) == (
         direct.max_model_len,
         direct.runner.pool.num_blocks,

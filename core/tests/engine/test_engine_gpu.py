@@ -170,9 +170,18 @@ def test_asynchronous_scheduling_equals_the_synchronous_engine_on_the_device(set
     if "pinned_host" in device_runtime.platform.memory_tiers:
         tight = LLM(str(model_dir), device=device_runtime, block_size=4, kv_cache_memory=24 * 8192, swap_space=64 * 8192,
                     enforce_eager=enforce_eager, async_scheduling=True)  # fmt: skip
-        tight.scheduler.reclaimer = DefaultReclaimer(swap_min_tokens=0)
+        tight.scheduler.reclaimer = DefaultReclaimer(swap_min_tokens=0)  # swap whatever fits
+        launches = []  # per launched step: (blocks swapped out, blocks swapped in, fed from the step before)
+        launch_tight = tight.runner.launch
+        tight.runner.launch = lambda b, feed=None: (
+            launches.append((len(b.swap_out), len(b.swap_in), feed is not None)) or launch_tight(b, feed)
+        )
         outputs = tight.generate(batch, params)
         assert [o.outputs[0].token_ids for o in outputs] == want and sum(o.num_preemptions for o in outputs) > 0
+        # swaps happened in steps that ran ahead: a swap out while the step before was still in flight
+        assert sum(out for out, _, _ in launches) > 0 and sum(back for _, back, _ in launches) > 0, launches
+        assert any(fed for out, back, fed in launches if out or back), launches
+        assert tight._ahead is None and tight.scheduler.pool.num_free == tight.scheduler.pool.num_blocks
 
 
 def test_two_devices_in_tensor_parallel_equal_one(setup, device_runtime):

@@ -14,11 +14,13 @@ run on vLLM's kernel in silence: activations with a static scale from the checkp
 an upper bound on the activations' scale (FBGEMM's ``input_scale_ub``), an output dtype other than the
 activations'.
 
-What does not reach this list, and so runs on vLLM's kernels (``VLLM_PORT_STATS`` shows ``fp8_linear``
-uncalled; ``python -m vllm_port_vllm.check`` fails an FP8 model for it): weights in 128 x 128 blocks (their
-own kernel list), compressed-tensors FP8 where vLLM runs it weight-only (XPU, CUDA before sm_89), vLLM's
-``VLLM_BATCH_INVARIANT`` mode, a ``--linear-backend`` naming one of vLLM's kernels, and
-``VLLM_DISABLED_KERNELS=VllmPortFp8Kernel`` (docs/vllm-bridge.md).
+Every FP8 linear layer vLLM builds chooses its kernel through one function
+(``choose_scaled_mm_linear_kernel``); the bridge wraps it, so a layer that would get any kernel but this
+one is refused when vLLM builds it, naming why: weights in 128 x 128 blocks (their own kernel list),
+compressed-tensors FP8 run weight-only (XPU, CUDA before sm_89), a ``--linear-backend`` (or
+``linear_backend_per_quant``) naming one of vLLM's kernels, ``VLLM_DISABLED_KERNELS=VllmPortFp8Kernel``, a
+kernel vLLM forces. vLLM's ``VLLM_BATCH_INVARIANT`` mode is refused as well: its ``fp8`` format then
+dequantises to bf16 around any kernel, and ``fp8_linear`` promises no batch invariance.
 
 ``VLLM_BRIDGE_KEEP=fp8_linear`` leaves every FP8 layer on vLLM's own kernels instead.
 """
@@ -43,6 +45,14 @@ def _refusal(what: str) -> BridgeError:
         "(it takes e4m3 weights with one scale per tensor or per output channel and quantises each token's "
         "activations on the fly); the bridge refuses rather than run vLLM's kernel in silence. Run vLLM's own "
         "FP8 kernels for these layers with VLLM_BRIDGE_KEEP=fp8_linear, or the model without the bridge"
+    )
+
+
+def _bypass(why: str) -> BridgeError:
+    return BridgeError(
+        f"vllm-port bridge: vLLM would run an FP8 linear layer on its own kernel, not on the plugin's fp8_linear, "
+        f"because of {why}; the bridge refuses rather than run vLLM's kernel in silence. Drop that setting, or keep "
+        "the FP8 layers on vLLM's kernels with VLLM_BRIDGE_KEEP=fp8_linear"
     )
 
 
@@ -80,6 +90,13 @@ def _kernel_class() -> type:
             return True, None
 
         def __init__(self, c: Any, layer_param_names: Any) -> None:
+            import vllm.envs as envs
+
+            if envs.VLLM_BATCH_INVARIANT:
+                raise _bypass(
+                    "VLLM_BATCH_INVARIANT=1 (vLLM then dequantises its fp8 format around any kernel, and fp8_linear "
+                    "promises no batch invariance)"
+                )
             super().__init__(c, layer_param_names)
             _prepare(c.input_dtype, ON_DEMAND_OPS)  # fp8_linear, smoke-checked
 
@@ -99,8 +116,57 @@ def _kernel_class() -> type:
     return VllmPortFp8Kernel
 
 
+#: vLLM's names for the FP8 linear schemes (``quantization=`` of its kernel choice), and what each asks for
+#: that fp8_linear does not take when the bridge's kernel is not in its list
+_FP8_SCHEMES = {
+    "fp8_w8a8": None,  # the list the bridge heads
+    "fp8_block_w8a8": "weights in blocks (vLLM's block-scaled kernels take activations quantised per group)",
+    "w8a16_fp8": "FP8 weights only (vLLM runs this layer weight-only, activations unquantised)",
+}
+
+
+def _not_chosen(linear: Any, scheme: str, kernel: type, force_kernel: type | None) -> BridgeError:
+    """The refusal of a layer of ``scheme`` that vLLM gave ``kernel``, not the bridge's, naming why."""
+    import vllm.envs as envs
+
+    if (what := _FP8_SCHEMES[scheme]) is not None:
+        return _refusal(what)
+    if "VllmPortFp8Kernel" in envs.VLLM_DISABLED_KERNELS:
+        return _bypass("VLLM_DISABLED_KERNELS naming VllmPortFp8Kernel")
+    if (backend := linear._get_linear_backend(quantization=scheme)) != "auto":
+        return _bypass(f"the linear backend {backend!r} (--linear-backend or linear_backend_per_quant)")
+    if force_kernel is not None:
+        return _bypass(f"vLLM forcing its {force_kernel.__name__}")
+    return _bypass(f"vLLM choosing its {kernel.__name__}")
+
+
+def _guard_kernel_choice(linear: Any) -> None:
+    """Make every FP8 linear layer's kernel choice refuse any kernel but the bridge's (once per process)."""
+    choose = linear.choose_scaled_mm_linear_kernel
+    if getattr(choose, "__vllm_port_guard__", False):
+        return
+
+    def choose_guarded(
+        config: Any,
+        possible_kernels: Any,
+        compute_capability: Any = None,
+        force_kernel: Any = None,
+        *,
+        quantization: str,
+    ) -> type:
+        kernel = choose(config, possible_kernels, compute_capability, force_kernel, quantization=quantization)
+        if quantization in _FP8_SCHEMES and kernel.__name__ != "VllmPortFp8Kernel":
+            raise _not_chosen(linear, quantization, kernel, force_kernel)
+        return kernel
+
+    choose_guarded.__vllm_port_guard__ = True  # type: ignore[attr-defined]
+    choose_guarded.__wrapped__ = choose  # type: ignore[attr-defined]
+    linear.choose_scaled_mm_linear_kernel = choose_guarded  # vLLM's callers look it up in the module at each call
+
+
 def register_fp8() -> list[str]:
-    """Put the bridge's FP8 kernel first in vLLM's list for the current platform; return the kernel's name.
+    """Put the bridge's FP8 kernel first in vLLM's list for the current platform, and make a layer that would get
+    any other FP8 linear kernel refuse; return the kernel's name.
 
     Once per process; a second call changes nothing.
     """
@@ -108,11 +174,15 @@ def register_fp8() -> list[str]:
     from vllm.platforms import current_platform
 
     platform = current_platform._enum
-    if not isinstance(getattr(linear, "_POSSIBLE_FP8_KERNELS", None), dict):
+    if not isinstance(getattr(linear, "_POSSIBLE_FP8_KERNELS", None), dict) or not callable(
+        getattr(linear, "choose_scaled_mm_linear_kernel", None)
+    ):
         raise BridgeError(
-            "vllm-port bridge: this vLLM has no vllm.model_executor.kernels.linear._POSSIBLE_FP8_KERNELS, the list "
-            "its FP8 linear layers choose a kernel from; the bridge refuses rather than leave them on vLLM's kernels"
+            "vllm-port bridge: this vLLM has no vllm.model_executor.kernels.linear._POSSIBLE_FP8_KERNELS (the list "
+            "its FP8 linear layers choose a kernel from) or choose_scaled_mm_linear_kernel (the choice); the bridge "
+            "refuses rather than leave them on vLLM's kernels"
         )
+    _guard_kernel_choice(linear)
     if any(k.__name__ == "VllmPortFp8Kernel" for k in linear._POSSIBLE_FP8_KERNELS.get(platform, [])):
         return ["VllmPortFp8Kernel"]
     kernel = _kernel_class()

@@ -148,7 +148,7 @@ def run_engine(
             "provider_per_op": llm.provider_per_op,
             "captured_batch_sizes": llm.captured_batch_sizes,
             "tensor_parallel_size": llm_kwargs.get("tensor_parallel_size", 1),
-            "async_scheduling": llm.engine_config.async_scheduling,
+            "async_scheduling": llm.runs_ahead,
         }
     finally:
         llm.close()

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
     from .runner import ModelRunner, StepFunction
 
-__all__ = ["KV_CACHE_DTYPES", "EngineConfig"]
+__all__ = ["KV_CACHE_DTYPES", "RUNS_AHEAD_BY_DEFAULT", "EngineConfig"]
 
 #: ``LLM(kv_cache_dtype=...)``'s values: ``"auto"`` caches in the model's dtype, the others in float8 e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -37,6 +37,11 @@ MAX_CAPTURED_TOKENS = 512
 #: ``LLM(distributed_executor_backend=...)``'s values: ``None``/``"mp"`` spawn the ranks on this machine,
 #: ``"external_launcher"`` makes this process one of the ranks a launcher (``torchrun``) started.
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "mp", "external_launcher")
+
+
+#: The platforms (by name) where ``async_scheduling=None`` runs steps ahead: those where it was measured to
+#: pay (docs/results/async-scheduling-h200.md). Others run synchronously unless asked with ``True``.
+RUNS_AHEAD_BY_DEFAULT: frozenset[str] = frozenset({"cuda"})
 
 
 @dataclass(frozen=True)
@@ -168,15 +173,16 @@ class EngineConfig:
         """The model's parts run on several platforms (``placement`` or ``devices`` is given)."""
         return self.placement is not None or self.devices is not None
 
-    def runs_ahead_on(self, device_type: str) -> bool:
-        """Whether steps run ahead (``async_scheduling``) on a platform of ``device_type``: as given, else on
-        where it was measured to pay (vLLM's default is on as well): one accelerator device running a core model
-        definition. On a host (``"cpu"``) the host's work has nothing to hide behind (docs/results/async-scheduling-h200.md).
+    def runs_ahead_on(self, platform: str) -> bool:
+        """Whether steps run ahead (``async_scheduling``) on the platform named ``platform``: as given, else
+        where it was measured to pay (vLLM's default is on as well): one device of a platform in
+        :data:`RUNS_AHEAD_BY_DEFAULT` running a core model definition. On a host (``"cpu"``) the host's work has
+        nothing to hide behind (docs/results/async-scheduling-h200.md); ROCm and XPU were never measured.
         """
         if self.async_scheduling is not None:
             return self.async_scheduling
         one_device = self.ranks == 1 and not (self.launched or self.places or self.imports or self.make_step)
-        return one_device and device_type != "cpu"
+        return one_device and platform in RUNS_AHEAD_BY_DEFAULT
 
     def as_arguments(self) -> dict[str, Any]:
         """The fields by name, as ``LLM(**config.as_arguments())`` takes them (values as they are, not copied)."""

@@ -24,7 +24,6 @@ cannot be loaded raises :class:`~vllm_port.errors.ModelLoadError` from ``LLM(...
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import numbers
 import os
@@ -291,8 +290,10 @@ class LLM:
         (vLLM's option of that name; :mod:`vllm_port.engine.step_ahead`): the host's work of a step overlaps
         the device's, with the same outputs token for token. Steps whose requests need their tokens on the host
         first (logits processing, logprobs, ``n > 1``) run synchronously. One device (``tensor_parallel_size=1``).
-        ``None`` (the default, as vLLM's): on for one accelerator device running a core model definition, off
-        on a host platform (``"cpu"``, where it gains nothing) and elsewhere; ``llm.engine_config`` says which.
+        ``None`` (the default, as vLLM's): on for one device of a platform where it was measured to pay
+        (``"cuda"``: :data:`~vllm_port.engine.config.RUNS_AHEAD_BY_DEFAULT`) running a core model definition, off
+        on a host platform (``"cpu"``, where it gains nothing), on platforms never measured and in the other
+        modes; ``llm.runs_ahead`` says which.
     :param pipeline_parallel_size: stages to split the model's layers into, each a rank of its own with its
         layers and their KV cache (:mod:`vllm_port.engine.pipeline_parallel`), spawned on this machine or
         launched by ``torchrun`` (``distributed_executor_backend``): for a model whose weights do not fit one
@@ -344,8 +345,11 @@ class LLM:
     def _start(self, config: EngineConfig) -> None:
         """Load the platform(s), open the model, build the runner and the scheduler that ``config`` asks for."""
         self.runtime, self.placement = _load_platforms(config)  # placement None: one platform
-        ahead = config.runs_ahead_on(self.runtime.platform.device_type)
-        self.engine_config = config = dataclasses.replace(config, async_scheduling=ahead)
+        #: the engine's settings as given (``async_scheduling=None`` stays ``None``: replacing a field and
+        #: building again resolves it again, for the platform and mode that engine runs)
+        self.engine_config = config
+        #: whether steps run ahead of their tokens: ``async_scheduling`` as given, else resolved for the platform
+        self.runs_ahead: bool = config.runs_ahead_on(self.runtime.platform.name)
         opened = _open_model(config, self.runtime)
         self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
         self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text
@@ -734,7 +738,7 @@ class LLM:
         With ``async_scheduling`` the step read is the one launched before (:mod:`.step_ahead`), and the
         next is launched first where it can be.
         """
-        if not self.engine_config.async_scheduling:
+        if not self.runs_ahead:
             out, batch = self._schedule()
             self._take_tokens(out, batch, self.runner.execute(batch))
             return
