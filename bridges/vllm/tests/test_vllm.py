@@ -169,6 +169,37 @@ def test_an_fp8_model_runs_its_linear_layers_on_the_plugins_fp8_linear_eager_and
         assert m["calls"]["fp8_linear"] > 0 and m["providers"]["fp8_linear"] == ["cpu/cpu_fp8_linear"], (mode, m)
 
 
+@pytest.mark.parametrize(("model", "modes"), [("mixtral", "eager,compiled"), ("qwen3-moe", "eager")])
+def test_a_mixture_of_experts_runs_its_experts_on_the_plugins_fused_moe(
+    bridge_python: Path, certificate: Path, model: str, modes: str
+) -> None:
+    """A tiny Mixtral (router outside the MoE layer) and a tiny Qwen3-MoE (vLLM's runner computes the router logits):
+    vLLM hands the bridge's method the router logits, every MoE layer calls the plugin's ``fused_moe``, and the
+    logits stay within the tolerance of vLLM alone (its own CPU MoE kernel), greedy ids equal."""
+    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", f"--tiny-{model}", "--modes", modes, "--json"]
+    done = subprocess.run(cmd, env=_env(certificate), capture_output=True, text=True, timeout=3000)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-4000:]
+    report = json.loads(lines[-1])
+    assert list(report["modes"]) == modes.split(",")
+    for mode, m in report["modes"].items():
+        assert m["ok"] and m["equal_requests"] == m["requests"], (mode, m)
+        assert m["calls"]["fused_moe"] > 0 and m["providers"]["fused_moe"] == ["cpu/cpu_fused_moe"], (mode, m)
+
+
+def test_a_mixture_of_experts_routed_otherwise_than_fused_moe_is_refused_naming_the_setting(
+    bridge_python: Path, certificate: Path
+) -> None:
+    """vLLM's router is not called on the bridge: a setting that routes otherwise (here vLLM's simulated router)
+    stops vLLM when the layer is built, naming it, rather than run either kernel in silence."""
+    env = {**_env(certificate), "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
+    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--tiny-mixtral", "--modes", "eager"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+    assert done.returncode != 0
+    said = done.stderr[-4000:]
+    assert "vllm-port bridge" in said and "a simulated router" in said and "VLLM_BRIDGE_KEEP=fused_moe" in said, said
+
+
 _FP8_CONFIGS = """
 import json, torch
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig

@@ -5,7 +5,8 @@ its processes before it builds a model. It checks vLLM's version and the signatu
 it replaces (:mod:`vllm_port_vllm.compat`), loads this project's runtime (discovery, selection,
 the plugin's certificate: :mod:`vllm_port_vllm.runtime`), and routes vLLM's norms, rotary
 embeddings and gated activations (:mod:`vllm_port_vllm.layers`) and its decoder attention
-(:mod:`vllm_port_vllm.attention`) and its FP8 linear layers (:mod:`vllm_port_vllm.fp8`) to the bound providers. Any of these failing stops vLLM with a
+(:mod:`vllm_port_vllm.attention`), its FP8 linear layers (:mod:`vllm_port_vllm.fp8`) and its mixture-of-experts
+layers (:mod:`vllm_port_vllm.moe`) to the bound providers. Any of these failing stops vLLM with a
 :class:`~vllm_port_vllm.errors.BridgeError` that names it: the bridge never lets vLLM fall back to
 its own kernels in silence.
 
@@ -36,6 +37,7 @@ def register() -> None:
     from .fp8 import register_fp8
     from .keep import KEEP_ENV, kept_parts
     from .layers import register_layers
+    from .moe import register_moe
     from .runtime import bridge
 
     check_vllm()
@@ -44,6 +46,7 @@ def register() -> None:
     layers = register_layers(keep=kept)
     backends = [] if "attention" in kept else register_attention()
     layers += [] if "fp8_linear" in kept else register_fp8()
+    layers += [] if "fused_moe" in kept else register_moe()
     _registered.extend(layers + backends)
     log = logging.getLogger("vllm_port_vllm")
     if kept:

@@ -23,6 +23,9 @@ when:
   are a near-tie (within twice that tolerance), which the report shows for each such request;
 - the bridged process counted more than zero calls of every bridged op (``VLLM_PORT_STATS``).
 
+A mixture-of-experts model (``--tiny-mixtral``, ``--tiny-qwen3-moe``, or a checkpoint whose config has experts) must call ``fused_moe``
+too; its tolerance joins the others'.
+
 An FP8 model (``--tiny-llama-fp8``, or a checkpoint with a ``quantization_config``) is judged against vLLM alone
 on its dequantised checkpoint, ``fp8_linear``'s reference, with vLLM's own FP8 kernels as the yardstick of
 how far a quantised run may land from it (:func:`_check_fp8`); ``fp8_linear`` must be called too.
@@ -40,7 +43,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FP8_DYNAMIC", "compare", "main", "tiny_llama", "tiny_llama_fp8", "tolerance"]
+__all__ = [
+    "FP8_DYNAMIC",
+    "compare",
+    "main",
+    "tiny_llama",
+    "tiny_llama_fp8",
+    "tiny_mixtral",
+    "tiny_qwen3_moe",
+    "tolerance",
+]
 
 #: vLLM's settings for a small run on a shared CPU (the KV cache in GiB, no reserved core)
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_TARGET_DEVICE": "cpu"}
@@ -67,7 +79,6 @@ def tiny_llama(folder: Path) -> Path:
     The weights are unit-scale (transformers' own initialisation makes every layer nearly the identity,
     which would compare nothing): the norms near 1, every matrix scaled by its fan-in.
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -77,14 +88,51 @@ def tiny_llama(folder: Path) -> Path:
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64},
     )  # fmt: skip
+    return _save_unit_scale(LlamaForCausalLM(config), folder)
+
+
+def _save_unit_scale(model: Any, folder: Path) -> Path:
+    """Give ``model`` unit-scale random weights (seed 0: norms near 1, every matrix scaled by its fan-in) and save it."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
-    model = LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
             p.copy_(noise * 0.3 + 1 if "norm" in name else noise * p.shape[-1] ** -0.5)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def tiny_mixtral(folder: Path) -> Path:
+    """A tiny random Mixtral saved in ``folder``: :func:`tiny_llama`'s attention and sizes, and in each of its 2
+    layers a mixture of 4 experts (intermediate 256), each token routed to 2 of them (softmax, renormalised).
+
+    Unit-scale weights as in :func:`tiny_llama`; the router's too, so tokens spread over the experts.
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float32", num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=None,
+    )  # fmt: skip
+    return _save_unit_scale(MixtralForCausalLM(config), folder)
+
+
+def tiny_qwen3_moe(folder: Path) -> Path:
+    """A tiny random Qwen3-MoE saved in ``folder``: per-head q/k norms, 8 experts of intermediate 64 in each of 2
+    layers, 2 per token, renormalised (``norm_topk_prob``); vLLM's runner computes its router logits itself."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    return _save_unit_scale(Qwen3MoeForCausalLM(config), folder)
 
 
 #: compressed-tensors' FP8-dynamic scheme: e4m3 weights with a scale per output channel, activations quantised per
@@ -199,15 +247,24 @@ def _check_fp8(args: argparse.Namespace, mode: str, work: Path, ops: tuple[str, 
 
 
 def _checked_ops(model: str) -> tuple[str, ...]:
-    """The bridged ops a run of ``model`` must call: the layers' and attention's, and ``fp8_linear`` for an FP8 model.
+    """The bridged ops a run of ``model`` must call: the layers' and attention's, ``fp8_linear`` for an FP8 model and
+    ``fused_moe`` for a mixture of experts (``num_local_experts`` or ``num_experts`` in its config).
 
     :raises ValueError: for a checkpoint quantised otherwise (AWQ, GPTQ, int8...): the bridge routes none of those.
     """
-    from .runtime import BRIDGED_OPS, ON_DEMAND_OPS
+    from .runtime import BRIDGED_OPS
 
-    quantization = json.loads((Path(model) / "config.json").read_text()).get("quantization_config")
+    config = json.loads((Path(model) / "config.json").read_text())
+    moe = ("fused_moe",) if (config.get("num_local_experts") or config.get("num_experts") or 0) > 0 else ()
+    # a MoE model whose every MLP is its experts' (Mixtral; Qwen3-MoE by default) has no dense SiLU MLP to call
+    dense = not moe or bool(
+        config.get("mlp_only_layers")
+        or config.get("decoder_sparse_step", 1) != 1
+        or config.get("shared_expert_intermediate_size", 0)
+    )
+    quantization = config.get("quantization_config")
     if quantization is None:
-        return BRIDGED_OPS
+        return tuple(op for op in BRIDGED_OPS if dense or op != "silu_and_mul") + moe
     method = quantization.get("quant_method")
     groups = quantization.get("config_groups", {}).values() if method == "compressed-tensors" else []
     fp8 = method == "fp8" or any(
@@ -219,7 +276,12 @@ def _checked_ops(model: str) -> tuple[str, ...]:
             f"{model}: quantization_config.quant_method is {method!r}; the check runs float and FP8 checkpoints "
             "(quant_method 'fp8', or compressed-tensors with 8-bit float weights), the ones the bridge routes"
         )
-    return BRIDGED_OPS + ON_DEMAND_OPS
+    if moe:
+        raise ValueError(
+            f"{model}: a mixture of experts with a quantization_config; the bridge routes unquantised MoE layers "
+            "(fused_moe) and FP8 linear layers, not FP8 experts"
+        )
+    return (*BRIDGED_OPS, "fp8_linear")
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -386,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument(
         "--tiny-llama-fp8", action="store_true", help="the tiny Llama as an FP8-dynamic checkpoint (tiny_llama_fp8)"
     )
+    model.add_argument(
+        "--tiny-mixtral", action="store_true", help="a tiny random Mixtral, 4 experts, top 2 (tiny_mixtral)"
+    )
+    model.add_argument(
+        "--tiny-qwen3-moe", action="store_true", help="a tiny random Qwen3-MoE, 8 experts, top 2 (tiny_qwen3_moe)"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -407,10 +475,21 @@ def main(argv: list[str] | None = None) -> int:
             args.model = str(tiny_llama(work / "tiny-llama"))
         elif args.tiny_llama_fp8:
             args.model = str(tiny_llama_fp8(work / "tiny-llama-fp8"))
+        elif args.tiny_mixtral:
+            args.model = str(tiny_mixtral(work / "tiny-mixtral"))
+        elif args.tiny_qwen3_moe:
+            args.model = str(tiny_qwen3_moe(work / "tiny-qwen3-moe"))
         ops = _checked_ops(args.model)
         atol, rtol = tolerance(args.dtype, ops)
         report: dict[str, Any] = {
-            "model": "tiny-llama" if args.tiny_llama else "tiny-llama-fp8" if args.tiny_llama_fp8 else args.model,
+            "model": next(
+                (
+                    name
+                    for name in ("tiny_llama", "tiny_llama_fp8", "tiny_mixtral", "tiny_qwen3_moe")
+                    if getattr(args, name)
+                ),
+                args.model,
+            ).replace("_", "-"),
             "dtype": args.dtype,
             "atol": atol,
             "rtol": rtol,

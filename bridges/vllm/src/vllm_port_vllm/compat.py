@@ -46,6 +46,14 @@ _WATCHED = (
     "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.process_weights_after_loading",
     "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel._get_layer_params",
     "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.apply_weights",
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.__init__",
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.apply_monolithic",
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.process_weights_after_loading",
+    "vllm.model_executor.layers.fused_moe.fused_moe_method_base:FusedMoEMethodBase.__init__",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner.__init__",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._apply_quant_method",
+    "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.forward_monolithic",
+    "vllm.model_executor.custom_op:PluggableLayer.register_oot",
 )
 
 #: minor version -> watched name -> str(inspect.signature(...)) in that release
@@ -77,6 +85,14 @@ KNOWN: dict[str, dict[str, str]] = {
         "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.process_weights_after_loading": "(self, layer: torch.nn.modules.module.Module) -> None",
         "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel._get_layer_params": "(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]",
         "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel:FP8ScaledMMLinearKernel.apply_weights": "(self, layer: torch.nn.modules.module.Module, x: torch.Tensor | vllm.model_executor.layers.fusion.quant_activation.QuantizedActivation, bias: torch.Tensor | None = None) -> torch.Tensor",
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.__init__": "(self, moe: vllm.model_executor.layers.fused_moe.config.FusedMoEConfig)",
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.apply_monolithic": "(self, layer: 'RoutedExperts', x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor | vllm.model_executor.layers.fused_moe.moe_output.UnfinalizedMoEOutput",
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.process_weights_after_loading": "(self, layer: 'RoutedExperts') -> None",
+        "vllm.model_executor.layers.fused_moe.fused_moe_method_base:FusedMoEMethodBase.__init__": "(self, moe: vllm.model_executor.layers.fused_moe.config.FusedMoEConfig)",
+        "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner.__init__": "(self, layer_name: str, moe_config: vllm.model_executor.layers.fused_moe.config.FusedMoEConfig, router: vllm.model_executor.layers.fused_moe.router.fused_moe_router.FusedMoERouter, routed_experts: vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts, enable_dbo: bool = False, gate: torch.nn.modules.module.Module | None = None, shared_experts: torch.nn.modules.module.Module | None = None, shared_expert_gate: torch.nn.modules.module.Module | None = None, routed_input_transform: torch.nn.modules.module.Module | None = None, routed_output_transform: torch.nn.modules.module.Module | None = None, routed_scaling_factor: float = 1.0)",
+        "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._apply_quant_method": "(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, shared_experts_input: torch.Tensor | None, input_ids: torch.Tensor | None = None, shared_experts_overlapping: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | vllm.model_executor.layers.fused_moe.moe_output.UnfinalizedMoEOutput]",
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.forward_monolithic": "(self, x: torch.Tensor, router_logits: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor | vllm.model_executor.layers.fused_moe.moe_output.UnfinalizedMoEOutput",
+        "vllm.model_executor.custom_op:PluggableLayer.register_oot": "(_decorated_layer_cls=None, name: str | None = None)",
     },
 }
 

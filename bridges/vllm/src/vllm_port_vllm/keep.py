@@ -19,9 +19,9 @@ from .errors import BridgeError
 __all__ = ["KEEP_ENV", "PARTS", "kept_parts"]
 
 KEEP_ENV = "VLLM_BRIDGE_KEEP"
-#: the parts a run may keep on vLLM: the bridged layer classes (``RotaryEmbedding``: every rope class), attention
-#: and the FP8 linear layers
-PARTS = ("RMSNorm", "SiluAndMul", "GeluAndMul", "RotaryEmbedding", "attention", "fp8_linear")
+#: the parts a run may keep on vLLM: the bridged layer classes (``RotaryEmbedding``: every rope class), attention,
+#: the FP8 linear layers and the mixture-of-experts layers
+PARTS = ("RMSNorm", "SiluAndMul", "GeluAndMul", "RotaryEmbedding", "attention", "fp8_linear", "fused_moe")
 
 
 def kept_parts(value: str | None = None) -> frozenset[str]:

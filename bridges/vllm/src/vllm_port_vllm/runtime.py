@@ -37,8 +37,9 @@ BRIDGED_OPS = (
     "paged_attention",
 )
 
-#: Ops routed only where the model has the layer (an FP8 linear), checked when vLLM builds one (:meth:`Bridge.require`).
-ON_DEMAND_OPS = ("fp8_linear",)
+#: Ops routed only where the model has the layer (an FP8 linear, a mixture of experts), checked when vLLM builds one
+#: (:meth:`Bridge.require`); each is also the name of the part ``VLLM_BRIDGE_KEEP`` leaves on vLLM's kernels.
+ON_DEMAND_OPS = ("fp8_linear", "fused_moe")
 
 _lock = threading.Lock()
 _bridge: Bridge | None = None
@@ -117,9 +118,8 @@ class Bridge:
             )
         uncovered = [op for op in ops if bound.providers[op].name == REFERENCE]
         if uncovered:
-            keep = "keep these layers on vLLM's kernels with VLLM_BRIDGE_KEEP=fp8_linear"
             otherwise = (
-                keep
+                f"keep these layers on vLLM's kernels with VLLM_BRIDGE_KEEP={','.join(uncovered)}"
                 if set(uncovered) <= set(ON_DEMAND_OPS)
                 else "run vLLM without the bridge: pip uninstall vllm-port-vllm"
             )
