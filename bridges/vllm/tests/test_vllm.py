@@ -187,17 +187,135 @@ def test_a_mixture_of_experts_runs_its_experts_on_the_plugins_fused_moe(
         assert m["calls"]["fused_moe"] > 0 and m["providers"]["fused_moe"] == ["cpu/cpu_fused_moe"], (mode, m)
 
 
-def test_a_mixture_of_experts_routed_otherwise_than_fused_moe_is_refused_naming_the_setting(
-    bridge_python: Path, certificate: Path
+@pytest.fixture(scope="session")
+def tiny_mixtral(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The check's tiny Mixtral (``vllm_port_vllm.check.tiny_mixtral``), built in vLLM's environment."""
+    out = tmp_path_factory.mktemp("tiny-mixtral")
+    code = "import sys; from pathlib import Path; from vllm_port_vllm.check import tiny_mixtral; tiny_mixtral(Path(sys.argv[1]))"
+    subprocess.run([str(bridge_python), "-c", code, str(out)], check=True, timeout=300)
+    return out
+
+
+def test_a_mixture_of_experts_routed_otherwise_than_fused_moe_stops_vllm_naming_the_setting(
+    bridge_python: Path, certificate: Path, tiny_mixtral: Path
 ) -> None:
     """vLLM's router is not called on the bridge: a setting that routes otherwise (here vLLM's simulated router)
     stops vLLM when the layer is built, naming it, rather than run either kernel in silence."""
     env = {**_env(certificate), "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
-    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--tiny-mixtral", "--modes", "eager"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+    code = f"from vllm import LLM; LLM(model={str(tiny_mixtral)!r}, skip_tokenizer_init=True, enforce_eager=True)"
+    done = subprocess.run([str(bridge_python), "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
-    said = done.stderr[-4000:]
-    assert "vllm-port bridge" in said and "a simulated router" in said and "VLLM_BRIDGE_KEEP=fused_moe" in said, said
+    said = done.stderr
+    assert "BridgeError" in said and "a simulated router" in said and "VLLM_BRIDGE_KEEP=fused_moe" in said, said[-4000:]
+
+
+_MOE_SETTINGS = """
+import json, os, types
+from vllm_port_vllm.errors import BridgeError
+from vllm_port_vllm.moe import _refuse_config, _refuse_routing
+
+NS = types.SimpleNamespace
+
+
+class VllmPortMoEMethod:  # stands for the bridge's method, as the runner finds it on the experts
+    pass
+
+
+class Fp8MoEMethod:
+    pass
+
+
+class ZeroExpertRouter:
+    pass
+
+
+def config(**changed):
+    parallel = {"use_ep": False, "dp_size": 1, "pcp_size": 1, "sp_size": 1, "enable_eplb": False}
+    parallel.update({k[len("parallel_"):]: changed.pop(k) for k in list(changed) if k.startswith("parallel_")})
+    fields = {"activation": "silu", "has_bias": False, "is_lora_enabled": False, "has_hash_routing": False,
+              "swiglu_limit": None, "swiglu_alpha": None, "swiglu_beta": None, "activation_situ_beta": None,
+              "activation_situ_linear_beta": None, "moe_backend": "auto", "moe_parallel_config": NS(**parallel)}
+    return NS(**{**fields, **changed})
+
+
+def runner(**changed):
+    experts = {"quant_method": VllmPortMoEMethod(), "scoring_func": "softmax", "routed_scaling_factor": 1.0,
+               "use_grouped_topk": False, "custom_routing_function": None, "e_score_correction_bias": None,
+               "apply_router_weight_on_input": False, "expert_map_manager": NS(num_fused_shared_experts=0)}
+    experts.update({k[len("experts_"):]: changed.pop(k) for k in list(changed) if k.startswith("experts_")})
+    fields = {"routed_experts": NS(**experts), "router": NS(), "routed_input_transform": None,
+              "routed_output_transform": None, "gate": None, "shared_expert_gate": None, "enable_dbo": False}
+    return NS(**{**fields, **changed})
+
+
+said = {}
+
+
+def attempt(label, check, value, **env):
+    os.environ.update(env)
+    try:
+        check(value)
+        said[label] = "taken"
+    except BridgeError as exc:
+        said[label] = str(exc)
+    for name in env:
+        del os.environ[name]
+
+
+attempt("plain config", _refuse_config, config())
+attempt("gelu_tanh", _refuse_config, config(activation="gelu_tanh"))
+attempt("plain routing", _refuse_routing, runner())
+attempt("sigmoid", _refuse_routing, runner(experts_scoring_func="sigmoid"))
+attempt("runner scales the output", _refuse_routing, runner(routed_scaling_factor=2.5))
+for label, changed in {
+    "the activation 'relu2'": {"activation": "relu2"},
+    "biases on the experts' projections": {"has_bias": True},
+    "LoRA adapters": {"is_lora_enabled": True},
+    "hash routing": {"has_hash_routing": True},
+    "swiglu_limit=7.0": {"swiglu_limit": 7.0},
+    "moe_backend 'triton'": {"moe_backend": "triton"},
+    "expert parallelism": {"parallel_use_ep": True},
+    "data parallelism": {"parallel_dp_size": 2},
+    "context parallelism": {"parallel_pcp_size": 2},
+    "sequence parallelism": {"parallel_sp_size": 2},
+    "expert load balancing": {"parallel_enable_eplb": True},
+}.items():
+    attempt(label, _refuse_config, config(**changed))
+attempt("VLLM_BATCH_INVARIANT=1", _refuse_config, config(), VLLM_BATCH_INVARIANT="1")
+attempt("a simulated router", _refuse_routing, runner(), VLLM_MOE_ROUTING_SIMULATION_STRATEGY="uniform_random")
+for label, changed in {
+    "quantised experts (Fp8MoEMethod)": {"experts_quant_method": Fp8MoEMethod()},
+    "zero experts": {"router": ZeroExpertRouter()},
+    "scoring_func 'sqrtsoftplus'": {"experts_scoring_func": "sqrtsoftplus"},
+    "routed_scaling_factor=2.5": {"experts_routed_scaling_factor": 2.5},
+    "grouped top-k routing": {"experts_use_grouped_topk": True},
+    "a custom routing function": {"experts_custom_routing_function": print},
+    "a score correction bias": {"experts_e_score_correction_bias": 0.0},
+    "router weights applied to the input": {"experts_apply_router_weight_on_input": True},
+    "shared experts fused into the routed ones": {"experts_expert_map_manager": NS(num_fused_shared_experts=1)},
+    "a transform of the routed experts' input": {"routed_input_transform": print},
+    "a transform of the routed experts' output": {"routed_output_transform": print},
+    "a shared-expert gate fused into the router": {"gate": print, "shared_expert_gate": print},
+    "dual-batch overlap": {"enable_dbo": True},
+}.items():
+    attempt(label, _refuse_routing, runner(**changed))
+print(json.dumps(said))
+"""
+
+
+def test_each_moe_setting_fused_moe_does_not_compute_is_refused_by_name(bridge_python: Path) -> None:
+    """The checks the bridge's MoE method and runner make when vLLM builds a layer, on stand-ins for vLLM's config,
+    experts and runner: each setting that would route or combine otherwise than ``fused_moe`` is refused, naming
+    it and ``VLLM_BRIDGE_KEEP=fused_moe``; plain softmax or sigmoid top-k with SiLU or GELU is taken (and a runner
+    that scales the block's output itself, as vLLM's does after the method)."""
+    done = subprocess.run([str(bridge_python), "-c", _MOE_SETTINGS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    for label in ("plain config", "gelu_tanh", "plain routing", "sigmoid", "runner scales the output"):
+        assert said.pop(label) == "taken", label
+    for label, message in said.items():
+        assert message.startswith("vllm-port bridge:") and label in message, (label, message)
+        assert "VLLM_BRIDGE_KEEP=fused_moe" in message, message
 
 
 _FP8_CONFIGS = """

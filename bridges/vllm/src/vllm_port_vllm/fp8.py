@@ -14,13 +14,16 @@ run on vLLM's kernel in silence: activations with a static scale from the checkp
 an upper bound on the activations' scale (FBGEMM's ``input_scale_ub``), an output dtype other than the
 activations'.
 
-Every FP8 linear layer vLLM builds chooses its kernel through one function
-(``choose_scaled_mm_linear_kernel``); the bridge wraps it, so a layer that would get any kernel but this
-one is refused when vLLM builds it, naming why: weights in 128 x 128 blocks (their own kernel list),
-compressed-tensors FP8 run weight-only (XPU, CUDA before sm_89), a ``--linear-backend`` (or
+vLLM 0.32 chooses the kernel of the FP8 linear schemes this module knows (``fp8_w8a8``: per tensor or
+channel; ``fp8_block_w8a8``: weights in blocks; ``w8a16_fp8``: weight-only) through one function,
+``choose_scaled_mm_linear_kernel``; the bridge wraps it, so a layer of those schemes that would get any
+kernel but this one is refused when vLLM builds it, naming why: weights in 128 x 128 blocks (their own
+kernel list), compressed-tensors FP8 run weight-only (XPU, CUDA before sm_89), a ``--linear-backend`` (or
 ``linear_backend_per_quant``) naming one of vLLM's kernels, ``VLLM_DISABLED_KERNELS=VllmPortFp8Kernel``, a
 kernel vLLM forces. vLLM's ``VLLM_BATCH_INVARIANT`` mode is refused as well: its ``fp8`` format then
-dequantises to bf16 around any kernel, and ``fp8_linear`` promises no batch invariance.
+dequantises to bf16 around any kernel, and ``fp8_linear`` promises no batch invariance. MXFP8 layers choose
+their kernel elsewhere (``init_mxfp8_linear_kernel``) and stay vLLM's, as every quantisation the bridge does
+not route.
 
 ``VLLM_BRIDGE_KEEP=fp8_linear`` leaves every FP8 layer on vLLM's own kernels instead.
 """
@@ -32,7 +35,6 @@ from typing import Any
 import torch
 
 from .errors import BridgeError
-from .runtime import ON_DEMAND_OPS
 from .runtime import kernels as _kernels
 from .runtime import prepare as _prepare
 
@@ -98,7 +100,7 @@ def _kernel_class() -> type:
                     "promises no batch invariance)"
                 )
             super().__init__(c, layer_param_names)
-            _prepare(c.input_dtype, ON_DEMAND_OPS)  # fp8_linear, smoke-checked
+            _prepare(c.input_dtype, ("fp8_linear",))  # smoke-checked when vLLM builds the first FP8 layer
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             pass  # vLLM's scheme already stored the weight as [in_features, out_features], which the op reads as a view

@@ -13,7 +13,8 @@ op is refused by name when the layer is built, never run in silence: grouped top
 bias, a custom routing function, scorings other than softmax and sigmoid, router weights applied to the
 input, zero experts, hash routing, a simulated router; activations other than SiLU and GELU (exact or
 tanh) with their product, expert biases, clamped SwiGLU; a fused shared-expert gate, transforms around
-the routed experts; expert, data or context parallelism, EPLB, LoRA, a ``moe_backend`` named. Tensor
+the routed experts; expert, data or context parallelism, EPLB, LoRA, a ``moe_backend`` named, batch
+invariance, a ``routed_scaling_factor`` on the router's weights (vLLM's plain top-k leaves it out). Tensor
 parallelism is taken: each rank's experts hold a slice of the intermediate width, ``fused_moe`` gives
 that slice's partial sum, and vLLM's runner all-reduces it as it does its own kernels'. Shared experts
 the model keeps beside the routed ones (Qwen2-MoE's gated one) stay vLLM's modules, built of the layers the
@@ -68,6 +69,12 @@ def _refuse_config(moe: Any) -> None:
     for knob in ("swiglu_limit", "swiglu_alpha", "swiglu_beta", "activation_situ_beta", "activation_situ_linear_beta"):
         if getattr(moe, knob) is not None:
             raise _refusal(f"{knob}={getattr(moe, knob)!r}")
+    import vllm.envs as envs
+
+    if envs.VLLM_BATCH_INVARIANT:
+        raise _refusal(
+            "VLLM_BATCH_INVARIANT=1 (vLLM then runs batch-invariant MoE kernels; fused_moe promises no batch invariance)"
+        )
     if moe.moe_backend != "auto":
         raise _refusal(f"moe_backend {moe.moe_backend!r} (a kernel of vLLM's named)")
     parallel = moe.moe_parallel_config
@@ -100,6 +107,11 @@ def _refuse_routing(runner: Any) -> None:
         raise _refusal("zero experts (zero_expert_type)")
     if experts.scoring_func not in MOE_SCORINGS:
         raise _refusal(f"scoring_func {experts.scoring_func!r} (fused_moe scores by {' or '.join(MOE_SCORINGS)})")
+    if experts.routed_scaling_factor != 1.0:  # vLLM's plain top-k routers leave it out; only the refused ones apply it
+        raise _refusal(
+            f"routed_scaling_factor={experts.routed_scaling_factor!r} on the router's weights, which vLLM's own "
+            "plain top-k routing does not apply"
+        )
     for attribute, what in (
         ("use_grouped_topk", "grouped top-k routing"),
         ("custom_routing_function", "a custom routing function"),
@@ -169,14 +181,15 @@ def _method_class() -> type:
                 layer.scoring_func,
                 bool(layer.renormalize),
                 getattr(layer.activation, "value", layer.activation),
-                float(layer.routed_scaling_factor),
+                1.0,  # any other factor is refused when the layer is built (_refuse_routing)
             )
 
         def apply(self, *args: Any, **kwargs: Any) -> torch.Tensor:
             raise BridgeError(
                 "vllm-port bridge: vLLM called the MoE method with experts its router chose (the modular path), "
                 "but the bridge's method computes from the router logits (monolithic); this vLLM routes MoE "
-                "differently from the 0.32 the bridge knows"
+                "differently from the 0.32 the bridge knows. Keep MoE layers on vLLM's kernels with "
+                "VLLM_BRIDGE_KEEP=fused_moe"
             )
 
     return VllmPortMoEMethod

@@ -129,15 +129,19 @@ class Bridge:
             )
 
     def traced(self, dtype: torch.dtype) -> BoundOps:
-        """The ops of :meth:`kernels` as custom ops, for ``torch.compile`` (the same providers)."""
+        """The ops of :meth:`kernels` as custom ops, for ``torch.compile`` (the same providers for the layers' ops;
+        an on-demand op's are compared by :func:`prepare` when a model asks for it)."""
         eager = self.kernels(dtype)
         traced = self.runtime.bind(dtype, traceable=True, strict=False)
-        moved = [op for op in (*BRIDGED_OPS, *ON_DEMAND_OPS) if traced.providers[op].name != eager.providers[op].name]
-        if moved:
-            raise BridgeError(
-                f"vllm-port bridge: binding for torch.compile chose other providers for {', '.join(moved)}"
-            )
+        _refuse_moved(eager, traced, BRIDGED_OPS)
         return traced
+
+
+def _refuse_moved(eager: BoundOps, traced: BoundOps, ops: tuple[str, ...]) -> None:
+    """Refuse a binding for ``torch.compile`` that chose other providers than the eager one for ``ops``."""
+    moved = [op for op in ops if traced.providers[op].name != eager.providers[op].name]
+    if moved:
+        raise BridgeError(f"vllm-port bridge: binding for torch.compile chose other providers for {', '.join(moved)}")
 
 
 def bridge() -> Bridge:
@@ -181,10 +185,10 @@ def prepare(dtype: torch.dtype, ops: tuple[str, ...] = ()) -> None:
     b = bridge()
     if ops:
         b.require(dtype, ops)
-    if dtype in _eager:
-        return
-    _eager[dtype] = b.kernels(dtype)
-    _traced[dtype] = b.traced(dtype)
+    if dtype not in _eager:
+        _eager[dtype] = b.kernels(dtype)
+        _traced[dtype] = b.traced(dtype)
+    _refuse_moved(_eager[dtype], _traced[dtype], ops)
 
 
 def kernels(dtype: torch.dtype) -> BoundOps:
