@@ -29,7 +29,7 @@ CALLS = 300
 
 
 @triton.jit
-def _empty(a, b, c, d, e, f, g, h, N: tl.constexpr):  # noqa: ARG001 - the arguments are what is launched
+def _empty(a, b, c, d, e, f, g, h, n: tl.constexpr):  # the arguments are what is launched
     pass
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     device = torch.device("cuda")
     x = torch.zeros(8, device=device)
     floor = {
-        "empty Triton kernel, 8 tensors": host_us(lambda *t: _empty[(1,)](*t, N=1), (x,) * 8),
+        "empty Triton kernel, 8 tensors": host_us(lambda *t: _empty[(1,)](*t, n=1), (x,) * 8),
         "torch.add": host_us(torch.add, (x, x)),
     }
     for label, us in floor.items():
