@@ -58,13 +58,33 @@ def certificate(certified: dict) -> Path:
     return certified["path"]
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The check's own tiny Llama 3.1 (``vllm_port_vllm.check.tiny_llama``), built in vLLM's environment."""
-    out = tmp_path_factory.mktemp("tiny-llama")
-    code = "import sys; from pathlib import Path; from vllm_port_vllm.check import tiny_llama; tiny_llama(Path(sys.argv[1]))"
+def _build(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory, builder: str) -> Path:
+    """One of the check's tiny models (``vllm_port_vllm.check.<builder>``), built in vLLM's environment."""
+    out = tmp_path_factory.mktemp(builder)
+    code = f"import sys; from pathlib import Path; from vllm_port_vllm.check import {builder}; {builder}(Path(sys.argv[1]))"
     subprocess.run([str(bridge_python), "-c", code, str(out)], check=True, timeout=300)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The check's own tiny Llama 3.1."""
+    return _build(bridge_python, tmp_path_factory, "tiny_llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The check's tiny Mixtral."""
+    return _build(bridge_python, tmp_path_factory, "tiny_mixtral")
+
+
+def _check_report(bridge_python: Path, env: dict[str, str], *args: str) -> dict:
+    """``python -m vllm_port_vllm.check ARGS --json`` in vLLM's environment: its report."""
+    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", *args, "--json"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-4000:]
+    return json.loads(lines[-1])
 
 
 def _env(certificate: Path) -> dict[str, str]:
@@ -109,11 +129,7 @@ def test_a_kept_part_runs_on_vllms_kernels_and_the_rest_still_on_the_plugins(
     """``VLLM_BRIDGE_KEEP=attention``: the check finds exactly the attention ops uncalled, every other bridged op
     called, and the logits still within the tolerance of vLLM alone."""
     env = {**_env(certificate), "VLLM_BRIDGE_KEEP": "attention"}
-    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--tiny-llama", "--json"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines, done.stderr[-4000:]
-    for mode, m in json.loads(lines[-1])["modes"].items():
+    for mode, m in _check_report(bridge_python, env, "--tiny-llama")["modes"].items():
         assert set(m["uncalled"]) == _ATTENTION_OPS & set(m["calls"]), (mode, m["calls"])
         assert all(n > 0 for op, n in m["calls"].items() if op not in _ATTENTION_OPS | {"gelu_and_mul"}), (mode, m)
         assert m["worst_prefill"] <= 1 and m["worst_decode"] <= 1, (mode, m)
@@ -159,12 +175,7 @@ def test_an_fp8_model_runs_its_linear_layers_on_the_plugins_fp8_linear_eager_and
 ) -> None:
     """The tiny Llama as compressed-tensors' FP8-dynamic checkpoint: vLLM builds its FP8 layers on the bridge's
     kernel, every projection calls the plugin's ``fp8_linear``, logits within the tolerance of vLLM alone."""
-    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", "--tiny-llama-fp8", "--json"]
-    done = subprocess.run(cmd, env=_env(certificate), capture_output=True, text=True, timeout=3000)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines, done.stderr[-4000:]
-    report = json.loads(lines[-1])
-    for mode, m in report["modes"].items():
+    for mode, m in _check_report(bridge_python, _env(certificate), "--tiny-llama-fp8")["modes"].items():
         assert m["ok"], (mode, m)
         assert m["calls"]["fp8_linear"] > 0 and m["providers"]["fp8_linear"] == ["cpu/cpu_fp8_linear"], (mode, m)
 
@@ -176,24 +187,11 @@ def test_a_mixture_of_experts_runs_its_experts_on_the_plugins_fused_moe(
     """A tiny Mixtral (router outside the MoE layer) and a tiny Qwen3-MoE (vLLM's runner computes the router logits):
     vLLM hands the bridge's method the router logits, every MoE layer calls the plugin's ``fused_moe``, and the
     logits stay within the tolerance of vLLM alone (its own CPU MoE kernel), greedy ids equal."""
-    cmd = [str(bridge_python), "-m", "vllm_port_vllm.check", f"--tiny-{model}", "--modes", modes, "--json"]
-    done = subprocess.run(cmd, env=_env(certificate), capture_output=True, text=True, timeout=3000)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines, done.stderr[-4000:]
-    report = json.loads(lines[-1])
-    assert list(report["modes"]) == modes.split(",")
+    report = _check_report(bridge_python, _env(certificate), f"--tiny-{model}", "--modes", modes)
+    assert report["model"] == f"tiny-{model}" and list(report["modes"]) == modes.split(",")
     for mode, m in report["modes"].items():
         assert m["ok"] and m["equal_requests"] == m["requests"], (mode, m)
         assert m["calls"]["fused_moe"] > 0 and m["providers"]["fused_moe"] == ["cpu/cpu_fused_moe"], (mode, m)
-
-
-@pytest.fixture(scope="session")
-def tiny_mixtral(bridge_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The check's tiny Mixtral (``vllm_port_vllm.check.tiny_mixtral``), built in vLLM's environment."""
-    out = tmp_path_factory.mktemp("tiny-mixtral")
-    code = "import sys; from pathlib import Path; from vllm_port_vllm.check import tiny_mixtral; tiny_mixtral(Path(sys.argv[1]))"
-    subprocess.run([str(bridge_python), "-c", code, str(out)], check=True, timeout=300)
-    return out
 
 
 def test_a_mixture_of_experts_routed_otherwise_than_fused_moe_stops_vllm_naming_the_setting(

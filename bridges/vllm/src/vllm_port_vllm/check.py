@@ -23,8 +23,8 @@ when:
   are a near-tie (within twice that tolerance), which the report shows for each such request;
 - the bridged process counted more than zero calls of every bridged op (``VLLM_PORT_STATS``).
 
-A mixture-of-experts model (``--tiny-mixtral``, ``--tiny-qwen3-moe``, or a checkpoint whose config has experts) must call ``fused_moe``
-too; its tolerance joins the others'.
+A mixture-of-experts model (``--tiny-mixtral``, ``--tiny-qwen3-moe``, or a checkpoint whose config has
+experts) must call ``fused_moe`` too; its tolerance joins the others'.
 
 An FP8 model (``--tiny-llama-fp8``, or a checkpoint with a ``quantization_config``) is judged against vLLM alone
 on its dequantised checkpoint, ``fp8_linear``'s reference, with vLLM's own FP8 kernels as the yardstick of
@@ -170,6 +170,15 @@ def tiny_llama_fp8(folder: Path) -> Path:
     config["quantization_config"] = FP8_DYNAMIC
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+#: ``--NAME``: the check's own tiny models, each built in a folder by its function, and what it is
+_TINY_MODELS = {
+    "tiny-llama": (tiny_llama, "a tiny random Llama 3.1 (tiny_llama)"),
+    "tiny-llama-fp8": (tiny_llama_fp8, "the tiny Llama as an FP8-dynamic checkpoint (tiny_llama_fp8)"),
+    "tiny-mixtral": (tiny_mixtral, "a tiny random Mixtral, 4 experts, top 2 (tiny_mixtral)"),
+    "tiny-qwen3-moe": (tiny_qwen3_moe, "a tiny random Qwen3-MoE, 8 experts, top 2 (tiny_qwen3_moe)"),
+}
 
 
 #: tensors of an FP8 checkpoint that only a quantised run reads: the weights' scales (folded into the float weights)
@@ -442,18 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_port_vllm.check", description=__doc__.split("\n")[0])
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="a Hugging Face model directory (config.json + safetensors)")
-    model.add_argument(
-        "--tiny-llama", action="store_true", help="build a tiny random Llama 3.1 (tiny_llama) and run it"
-    )
-    model.add_argument(
-        "--tiny-llama-fp8", action="store_true", help="the tiny Llama as an FP8-dynamic checkpoint (tiny_llama_fp8)"
-    )
-    model.add_argument(
-        "--tiny-mixtral", action="store_true", help="a tiny random Mixtral, 4 experts, top 2 (tiny_mixtral)"
-    )
-    model.add_argument(
-        "--tiny-qwen3-moe", action="store_true", help="a tiny random Qwen3-MoE, 8 experts, top 2 (tiny_qwen3_moe)"
-    )
+    for name, (_, what) in _TINY_MODELS.items():
+        model.add_argument(f"--{name}", action="store_true", help=f"build {what} and run it")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -471,25 +470,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if args.tiny_llama:
-            args.model = str(tiny_llama(work / "tiny-llama"))
-        elif args.tiny_llama_fp8:
-            args.model = str(tiny_llama_fp8(work / "tiny-llama-fp8"))
-        elif args.tiny_mixtral:
-            args.model = str(tiny_mixtral(work / "tiny-mixtral"))
-        elif args.tiny_qwen3_moe:
-            args.model = str(tiny_qwen3_moe(work / "tiny-qwen3-moe"))
+        tiny = next((name for name in _TINY_MODELS if getattr(args, name.replace("-", "_"))), None)
+        if tiny is not None:
+            args.model = str(_TINY_MODELS[tiny][0](work / tiny))
         ops = _checked_ops(args.model)
         atol, rtol = tolerance(args.dtype, ops)
         report: dict[str, Any] = {
-            "model": next(
-                (
-                    name
-                    for name in ("tiny_llama", "tiny_llama_fp8", "tiny_mixtral", "tiny_qwen3_moe")
-                    if getattr(args, name)
-                ),
-                args.model,
-            ).replace("_", "-"),
+            "model": tiny or args.model,
             "dtype": args.dtype,
             "atol": atol,
             "rtol": rtol,

@@ -176,13 +176,10 @@ def register_fp8() -> list[str]:
     from vllm.platforms import current_platform
 
     platform = current_platform._enum
-    if not isinstance(getattr(linear, "_POSSIBLE_FP8_KERNELS", None), dict) or not callable(
-        getattr(linear, "choose_scaled_mm_linear_kernel", None)
-    ):
+    if not isinstance(getattr(linear, "_POSSIBLE_FP8_KERNELS", None), dict):  # the functions: compat.py watches them
         raise BridgeError(
-            "vllm-port bridge: this vLLM has no vllm.model_executor.kernels.linear._POSSIBLE_FP8_KERNELS (the list "
-            "its FP8 linear layers choose a kernel from) or choose_scaled_mm_linear_kernel (the choice); the bridge "
-            "refuses rather than leave them on vLLM's kernels"
+            "vllm-port bridge: this vLLM has no vllm.model_executor.kernels.linear._POSSIBLE_FP8_KERNELS, the list "
+            "its FP8 linear layers choose a kernel from; the bridge refuses rather than leave them on vLLM's kernels"
         )
     _guard_kernel_choice(linear)
     if any(k.__name__ == "VllmPortFp8Kernel" for k in linear._POSSIBLE_FP8_KERNELS.get(platform, [])):

@@ -52,11 +52,18 @@ def _refusal(what: str) -> BridgeError:
     )
 
 
+def _activation(value: Any) -> str:
+    """vLLM's ``MoEActivation`` (or its name) as ``fused_moe``'s ``activation`` argument."""
+    return getattr(value, "value", value)
+
+
 def _refuse_config(moe: Any) -> None:
     """Refuse what a ``FusedMoEConfig`` asks that ``fused_moe`` does not compute."""
+    import vllm.envs as envs
+
     from vllm_port.ops.moe import MOE_ACTIVATIONS
 
-    activation = getattr(moe.activation, "value", moe.activation)
+    activation = _activation(moe.activation)
     if activation not in MOE_ACTIVATIONS:
         raise _refusal(f"the activation {activation!r} (fused_moe takes {', '.join(MOE_ACTIVATIONS)}, gated)")
     for flag, what in (
@@ -69,8 +76,6 @@ def _refuse_config(moe: Any) -> None:
     for knob in ("swiglu_limit", "swiglu_alpha", "swiglu_beta", "activation_situ_beta", "activation_situ_linear_beta"):
         if getattr(moe, knob) is not None:
             raise _refusal(f"{knob}={getattr(moe, knob)!r}")
-    import vllm.envs as envs
-
     if envs.VLLM_BATCH_INVARIANT:
         raise _refusal(
             "VLLM_BATCH_INVARIANT=1 (vLLM then runs batch-invariant MoE kernels; fused_moe promises no batch invariance)"
@@ -180,7 +185,7 @@ def _method_class() -> type:
                 layer.top_k,
                 layer.scoring_func,
                 bool(layer.renormalize),
-                getattr(layer.activation, "value", layer.activation),
+                _activation(layer.activation),
                 1.0,  # any other factor is refused when the layer is built (_refuse_routing)
             )
 
