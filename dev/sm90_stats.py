@@ -103,7 +103,9 @@ def compile_prefill(target: TritonTarget = CUDA, head: int = 128, group: int = 4
                  "ORDER": PREFILL_ORDERS.index(target.prefill_order)}  # fmt: skip
     signature.update(dict.fromkeys(constants, "constexpr"))
     kernel = triton.compile(
-        ASTSource(fn=_prefill_kernel, signature=signature, constexprs=constants),
+        ASTSource(
+            fn=_prefill_kernel.kernel, signature=signature, constexprs=constants
+        ),  # the jit function under its cached launch
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": warps, "num_stages": stages},
     )

@@ -68,6 +68,7 @@ SETTINGS: dict[str, str] = {
     "VLLM_PORT_CACHE_DIR": "where plugins cache built kernels",
     "VLLM_PORT_STATS": "a JSON file where each process writes, at exit, its calls per bound op and provider",
     "VLLM_PORT_CERTIFICATE": "the vLLM bridge: the certification report (report.json) of the plugin it runs",
+    "VLLM_PORT_TRITON_CACHED_LAUNCH": "0: every Triton kernel launch goes through Triton's own argument binding",
 }
 
 
@@ -77,6 +78,7 @@ SWITCHES: list[str] = [
     "VLLM_PORT_STRICT",
     "VLLM_PORT_VALIDATE",
     "VLLM_PORT_CHECK_WEIGHTS",
+    "VLLM_PORT_TRITON_CACHED_LAUNCH",
 ]
 
 

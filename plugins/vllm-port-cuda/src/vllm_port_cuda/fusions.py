@@ -20,6 +20,7 @@ import triton.language as tl
 
 from vllm_port.flat import contract_op, contract_provider
 from vllm_port.graph_pass import GraphPass, PassContext
+from vllm_port.kernels.triton.launch import cached_launch, cdiv, next_power_of_2
 from vllm_port.ops.attention import check_reshape_and_cache
 from vllm_port.ops.rotary import check_rotary_embedding
 
@@ -40,6 +41,7 @@ def _rotate_rows(rows, heads, n_heads, head_stride, elem_stride, d, d_ok, pair, 
     return tl.where(rot[None, :], rotated, x), mask
 
 
+@cached_launch
 @triton.jit
 def _rotary_cache_kernel(
     q_ptr,
@@ -165,10 +167,10 @@ def rotary_embedding_and_cache(
     tokens = positions.shape[0]
     if tokens == 0:
         return
-    d_block = triton.next_power_of_2(head_size)
+    d_block = next_power_of_2(head_size)
     most = max(q_heads, kv_heads)
-    head_block = min(triton.next_power_of_2(most), max(1, _MAX_PROGRAM_ELEMENTS // d_block))
-    _rotary_cache_kernel[(tokens, triton.cdiv(most, head_block))](
+    head_block = min(next_power_of_2(most), max(1, _MAX_PROGRAM_ELEMENTS // d_block))
+    _rotary_cache_kernel[(tokens, cdiv(most, head_block))](
         query,
         key,
         value,

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ...ops.activation import check_gated, check_gelu_and_mul
 from ..triton_target import TritonTarget
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["ActivationKernels"]
 
@@ -39,6 +40,7 @@ def _gelu_erf(g):
     return g * tl.where(g >= 0, 1.0 - h, h)
 
 
+@cached_launch
 @triton.jit
 def _gated_kernel(
     out_ptr, x_ptr, d, blocks_per_row, x_row_stride, out_row_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr
@@ -103,10 +105,10 @@ class ActivationKernels:
         except RuntimeError:  # leading dims that do not collapse into one row stride
             x2 = x.contiguous().view(-1, 2 * d)
         out2 = out.view(-1, d)
-        block = min(self.target.elementwise_block, triton.next_power_of_2(d))
+        block = min(self.target.elementwise_block, next_power_of_2(d))
         per_thread = _ELEMENTS_PER_THREAD[activation]
         warps = max(1, min(self.target.max_warps, block // (self.target.warp_size * per_thread)))
-        blocks_per_row = triton.cdiv(d, block)
+        blocks_per_row = cdiv(d, block)
         _gated_kernel[(x2.shape[0] * blocks_per_row,)](
             out2,
             x2,

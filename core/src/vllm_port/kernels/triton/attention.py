@@ -40,6 +40,7 @@ import triton.language as tl
 from ...device_properties import compute_units
 from ...ops.attention import check_paged_attention, check_prefill_attention
 from ..triton_target import PREFILL_ORDERS, TritonTarget
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["AttentionKernels"]
 
@@ -199,6 +200,7 @@ def _attend_tile(
 # ------------------------------------------------------------------------------------------------
 
 
+@cached_launch
 @triton.jit
 def _paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, HEAD_SIZE] in the query's dtype (written unless SPLIT)
@@ -303,6 +305,7 @@ def _paged_decode_kernel(
         tl.store(a_ptrs, acc, mask=head_ok[:, None] & d_ok[None, :])
 
 
+@cached_launch
 @triton.jit
 def _merge_splits_kernel(
     out_ptr,  # [num_seqs, num_heads, HEAD_SIZE]
@@ -349,6 +352,7 @@ def _merge_splits_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
+@cached_launch
 @triton.jit
 def _prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, HEAD_SIZE]
@@ -491,8 +495,8 @@ def _decode_splits(num_programs: int, max_tiles: int, num_sms: int, per_sm: int 
     """
     if num_programs <= 0 or 2 * num_programs >= per_sm * num_sms:
         return 1
-    wanted = triton.cdiv(per_sm * num_sms, num_programs)
-    return max(1, min(wanted, triton.cdiv(max_tiles, min_tiles), _MAX_SPLITS))
+    wanted = cdiv(per_sm * num_sms, num_programs)
+    return max(1, min(wanted, cdiv(max_tiles, min_tiles), _MAX_SPLITS))
 
 
 def _prefill_grid(order: int, q_blocks: int, num_seqs: int, num_heads: int) -> tuple[int, int, int]:
@@ -608,12 +612,12 @@ class AttentionKernels:
         if num_seqs == 0:
             return out
         group = num_heads // num_kv_heads
-        head_pad = triton.next_power_of_2(head_size)
+        head_pad = next_power_of_2(head_size)
         _, block_n, stages = _tiles(self.target, head_pad, key_cache.element_size(), decode=True)
         if num_splits is None:
-            max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)  # of the longest sequence possible
+            max_tiles = cdiv(block_tables.shape[1] * block_size, block_n)  # of the longest sequence possible
             if sliding_window > 0:  # a query sees at most the window (plus the tile it starts in)
-                max_tiles = min(max_tiles, triton.cdiv(sliding_window, block_n) + 1)
+                max_tiles = min(max_tiles, cdiv(sliding_window, block_n) + 1)
             num_splits = _decode_splits(
                 num_seqs * num_kv_heads,
                 max_tiles,
@@ -638,7 +642,7 @@ class AttentionKernels:
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             block_tables.stride(0), num_splits, *(descriptors or (None, None)),
             GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            GROUP_PAD=max(16, next_power_of_2(group)),
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
             BLOCK_SIZE=block_size,
@@ -654,7 +658,7 @@ class AttentionKernels:
             num_stages=stages,
         )  # fmt: skip
         if num_splits > 1:
-            splits_pad = triton.next_power_of_2(num_splits)
+            splits_pad = next_power_of_2(num_splits)
             _merge_splits_kernel[(num_seqs, num_heads)](
                 out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_splits, float(out_scale),
                 HEAD_SIZE=head_size,
@@ -701,9 +705,9 @@ class AttentionKernels:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if num_tokens == 0 or num_seqs == 0:
             return out
-        head_pad = triton.next_power_of_2(head_size)
+        head_pad = next_power_of_2(head_size)
         block_m, block_n, stages = _tiles(self.target, head_pad, query.element_size())
-        q_blocks = triton.cdiv(max_query_len, block_m)
+        q_blocks = cdiv(max_query_len, block_m)
         order = PREFILL_ORDERS.index(self.target.prefill_order)
         if q_blocks > 65535:  # past the grid's z extent (millions of tokens): one head at a time
             order = 0

@@ -16,6 +16,7 @@ import triton.language as tl
 from ...ops.attention import check_reshape_and_cache
 from ..triton_target import TritonTarget
 from .fp8_linear import to_e4m3
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["CacheKernels"]
 
@@ -25,6 +26,7 @@ _MAX_PROGRAM_ELEMENTS = 2048
 _ELEMENTS_PER_THREAD = 8
 
 
+@cached_launch
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
@@ -120,11 +122,11 @@ class CacheKernels:
         tokens, n_heads, head_size = key.shape
         if tokens == 0 or n_heads * head_size == 0:
             return
-        d_block = triton.next_power_of_2(head_size)
-        head_block = min(triton.next_power_of_2(n_heads), max(1, _MAX_PROGRAM_ELEMENTS // d_block))
+        d_block = next_power_of_2(head_size)
+        head_block = min(next_power_of_2(n_heads), max(1, _MAX_PROGRAM_ELEMENTS // d_block))
         warps = (head_block * d_block) // (self.target.warp_size * _ELEMENTS_PER_THREAD)
         warps = max(1, min(self.target.max_warps, warps))
-        _reshape_and_cache_kernel[(tokens, triton.cdiv(n_heads, head_block))](
+        _reshape_and_cache_kernel[(tokens, cdiv(n_heads, head_block))](
             key,
             value,
             key_cache,

@@ -35,6 +35,7 @@ from ...device_properties import compute_units
 from ...ops import BindContext
 from ...ops.fp8 import FP8_GROUP, FP8_MAX, check_fp8_linear, fp8_linear_reference, scale_granularity
 from ..triton_target import MatmulTiles, TritonTarget
+from .launch import cached_launch, cdiv, next_power_of_2
 from .linear import LinearKernels
 
 __all__ = ["Fp8LinearKernels", "to_e4m3"]
@@ -52,6 +53,7 @@ _PER_TENSOR, _PER_CHANNEL, _PER_GROUP = 0, 1, 2
 _REDUCE_BLOCK = 1024
 
 
+@cached_launch
 @triton.jit
 def _reduce_splits_kernel(
     out_ptr,  # [M, N], x's dtype, contiguous
@@ -86,6 +88,7 @@ def to_e4m3(x, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
     return q.to(tl.float8e4nv)
 
 
+@cached_launch
 @triton.jit
 def _quantize_rows_kernel(
     q_ptr,  # [M, K] float8e4nv, contiguous
@@ -119,6 +122,7 @@ def _quantize_rows_kernel(
         tl.store(q_ptr + row * K + k + offs, q, mask=k + offs < K)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["M"])
 def _fp8_matmul_kernel(
     out_ptr,  # [M, N] x's dtype; with SPLIT float32 partials [SPLIT_K, M, N]
@@ -191,8 +195,8 @@ def _splits(programs: int, k_tiles: int, num_sms: int, waves: int) -> int:
     wanted = waves * num_sms
     if waves == 0 or programs >= wanted or k_tiles < 2 * _MIN_TILES_PER_SPLIT:
         return 1
-    split = min(triton.cdiv(wanted, programs), k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS)
-    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
+    split = min(cdiv(wanted, programs), k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS)
+    return cdiv(k_tiles, cdiv(k_tiles, split))
 
 
 class Fp8LinearKernels:
@@ -236,7 +240,7 @@ class Fp8LinearKernels:
         m = x2.shape[0]
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
         xs = torch.empty((m,), dtype=torch.float32, device=x.device)
-        block = min(triton.next_power_of_2(k), 1024)
+        block = min(next_power_of_2(k), 1024)
         interpreted = x.device.type == "cpu"
         _quantize_rows_kernel[(m,)](
             q, xs, x2, k, x2.stride(0), x2.stride(1),
@@ -244,16 +248,16 @@ class Fp8LinearKernels:
         )  # fmt: skip
         skinny = m <= self.target.fp8_skinny_rows
         tiles: MatmulTiles = self.target.fp8_skinny if skinny else self.target.fp8_wide
-        block_m = max(_DOT_MIN, min(tiles.block_m, triton.next_power_of_2(m))) if skinny else tiles.block_m
+        block_m = max(_DOT_MIN, min(tiles.block_m, next_power_of_2(m))) if skinny else tiles.block_m
         granularity = scale_granularity(weight, weight_scale)
         scale_kind = {"tensor": _PER_TENSOR, "channel": _PER_CHANNEL, "group": _PER_GROUP}[granularity]
         block_k = min(tiles.block_k, FP8_GROUP) if scale_kind == _PER_GROUP else tiles.block_k
-        grid_m, grid_n, k_tiles = triton.cdiv(m, block_m), triton.cdiv(n, tiles.block_n), triton.cdiv(k, block_k)
+        grid_m, grid_n, k_tiles = cdiv(m, block_m), cdiv(n, tiles.block_n), cdiv(k, block_k)
         if split_k is None:
             waves = tiles.waves if skinny else 0
             split_k = _splits(grid_m * grid_n, k_tiles, compute_units(x.device, _INTERPRETER_SMS), waves)
-        tiles_per_split = triton.cdiv(k_tiles, split_k)
-        split_k = triton.cdiv(k_tiles, tiles_per_split)
+        tiles_per_split = cdiv(k_tiles, split_k)
+        split_k = cdiv(k_tiles, tiles_per_split)
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
         dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
         scales = weight_scale.reshape(-1) if scale_kind != _PER_GROUP else weight_scale.contiguous()
@@ -275,7 +279,7 @@ class Fp8LinearKernels:
             num_stages=tiles.stages,
         )  # fmt: skip
         if split_k > 1:
-            _reduce_splits_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
+            _reduce_splits_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
                 out, dest, bias_arg, m * n, n, split_k,
                 bias.stride(0) if bias is not None else 0,
                 HAS_BIAS=bias is not None,

@@ -31,6 +31,7 @@ from ...device_properties import compute_units
 from ...ops import BindContext
 from ...ops.linear import check_linear, packed_rows
 from ..triton_target import LinearTiles, TritonTarget
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["LinearKernels"]
 
@@ -50,6 +51,7 @@ _DOT_MIN = 16
 _INTERPRETER_SMS = 4
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["M"])  # one compiled variant per row padding, whatever the row count
 def _skinny_linear_kernel(
     out_ptr,  # [M, N], x's dtype, contiguous
@@ -173,9 +175,9 @@ def _splits(n_blocks: int, k_tiles: int, num_sms: int, waves: int) -> tuple[int,
     wanted = waves * num_sms
     if n_blocks >= wanted or k_tiles < 2 * _MIN_TILES_PER_SPLIT:
         return 1, k_tiles
-    split = min(triton.cdiv(wanted, n_blocks), k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS)
-    tiles = triton.cdiv(k_tiles, split)
-    return triton.cdiv(k_tiles, tiles), tiles
+    split = min(cdiv(wanted, n_blocks), k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS)
+    tiles = cdiv(k_tiles, split)
+    return cdiv(k_tiles, tiles), tiles
 
 
 _arrival_counts: dict[torch.device, torch.Tensor] = {}
@@ -263,15 +265,15 @@ class LinearKernels:
         tiles: LinearTiles = self.target.linear_dot if use_dot else fma_tiles
         block_m, block_n = 1, tiles.block_n
         if use_dot:
-            block_m, block_n = max(_DOT_MIN, triton.next_power_of_2(m)), max(_DOT_MIN, block_n)
-        n_blocks, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, tiles.block_k)
+            block_m, block_n = max(_DOT_MIN, next_power_of_2(m)), max(_DOT_MIN, block_n)
+        n_blocks, k_tiles = cdiv(n, block_n), cdiv(k, tiles.block_k)
         if split_k is None:
             split_k, tiles_per_split = _splits(
                 n_blocks, k_tiles, compute_units(x.device, _INTERPRETER_SMS), tiles.waves
             )
         else:
-            tiles_per_split = triton.cdiv(k_tiles, split_k)
-            split_k = triton.cdiv(k_tiles, tiles_per_split)
+            tiles_per_split = cdiv(k_tiles, split_k)
+            split_k = cdiv(k_tiles, tiles_per_split)
         counts = _counts_for(x.device) if split_k > 1 and n_blocks <= _COUNTS else None
         if counts is None:  # no split, or no counts to reduce splits with
             split_k, tiles_per_split = 1, k_tiles

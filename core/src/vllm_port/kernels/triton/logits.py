@@ -20,10 +20,12 @@ import triton.language as tl
 
 from ...ops.logits import check_process_logits, check_top_logprobs
 from ..triton_target import TritonTarget
+from .launch import cached_launch
 
 __all__ = ["LogitsKernels"]
 
 
+@cached_launch
 @triton.jit
 def _process_kernel(
     logits_ptr,  # [rows, vocab] float, unit stride along the vocabulary
@@ -73,6 +75,7 @@ def _process_kernel(
             tl.store(out_ptr + base + ids, tl.where(ratio < min_p, float("-inf"), x), mask=ok & (ratio < min_p))
 
 
+@cached_launch
 @triton.jit
 def _logprobs_kernel(
     logits_ptr,  # [rows, vocab] float, unit stride along the vocabulary

@@ -29,6 +29,7 @@ import triton.language as tl
 from ...ops.moe import check_fused_moe, route
 from ..triton_target import MoeTiles, TritonTarget
 from .activation import _gelu_erf
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["MoeKernels", "sort_pairs_by_expert"]
 
@@ -44,6 +45,7 @@ def _act(g, ACTIVATION: tl.constexpr):
         return g / (1.0 + tl.exp(-2.0 * z))
 
 
+@cached_launch
 @triton.jit
 def _gate_up_kernel(
     a_ptr, x_ptr, w_ptr, pairs_ptr, block_expert_ptr, padded_total_ptr,
@@ -98,6 +100,7 @@ def _gate_up_kernel(
     tl.store(a_ptr + pair[:, None] * a_stride_p + cols[None, :], out.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
 
+@cached_launch
 @triton.jit
 def _down_kernel(
     out_ptr, a_ptr, w_ptr, pairs_ptr, block_expert_ptr, padded_total_ptr, weights_ptr,
@@ -142,6 +145,7 @@ def _down_kernel(
     tl.store(out_ptr + pair[:, None] * out_stride_p + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
+@cached_launch
 @triton.jit
 def _align_small_kernel(
     ids_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_experts, rows, num_blocks,
@@ -192,7 +196,7 @@ def sort_pairs_by_expert(
     flat = ids.flatten()
     num_pairs = flat.numel()
     rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    rows = triton.cdiv(rows, block_m) * block_m
+    rows = cdiv(rows, block_m) * block_m
     if 0 < num_pairs <= _ALIGN_SMALL_PAIRS and num_experts <= _ALIGN_SMALL_EXPERTS:
         return _align_small(flat.contiguous(), num_experts, block_m, rows)  # top-1 ids: a strided view
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
@@ -220,7 +224,7 @@ def _align_small(
     total = torch.empty(1, dtype=torch.int64, device=flat.device)
 
     def p2(n: int) -> int:  # a power of two, at least 16 (a comfortable block for every backend)
-        return max(16, triton.next_power_of_2(n))
+        return max(16, next_power_of_2(n))
 
     _align_small_kernel[(1,)](
         flat, pairs, block_expert, total, flat.numel(), num_experts, rows, blocks,
@@ -285,13 +289,13 @@ class MoeKernels:
         blocks = pairs.shape[0] // tiles.block_m
         launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                       num_warps=tiles.warps, num_stages=tiles.stages)  # fmt: skip
-        _gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
+        _gate_up_kernel[(blocks, cdiv(inter, tiles.block_n))](
             a, x, w13, pairs, block_expert, total, inter, hidden, ids.shape[1], num_pairs,
             x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), a.stride(0),
             ACTIVATION=activation, PRECISION=precision, DOT_FP32=dot_fp32, **launch,
         )  # fmt: skip
         out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-        _down_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
+        _down_kernel[(blocks, cdiv(hidden, tiles.block_n))](
             out, a, w2, pairs, block_expert, total, weights.flatten().contiguous(), hidden, inter, num_pairs,
             a.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
             PRECISION=precision, DOT_FP32=dot_fp32, **launch,

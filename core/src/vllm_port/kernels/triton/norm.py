@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ...ops.norm import check_fused_add_rms_norm, check_rms_norm
 from ..triton_target import TritonTarget
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["NormKernels"]
 
@@ -29,6 +30,7 @@ _MIN_PROGRAM_ELEMENTS = 2048
 _ELEMENTS_PER_THREAD = 16
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["n_rows"])  # one compiled variant whatever the token count
 def _rms_norm_kernel(
     out_ptr,
@@ -161,13 +163,13 @@ class NormKernels:
         out2 = out.view(-1, hidden)
         n_rows = x2.shape[0]
 
-        block = triton.next_power_of_2(hidden)
+        block = next_power_of_2(hidden)
         resident = block <= _MAX_RESIDENT
         block = block if resident else _CHUNK
         rows = max(1, _MIN_PROGRAM_ELEMENTS // block) if resident else 1
         warps = (rows * block) // (self.target.warp_size * _ELEMENTS_PER_THREAD)
         warps = max(1, min(self.target.max_warps, warps))
-        _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        _rms_norm_kernel[(cdiv(n_rows, rows),)](
             out2,
             x2,
             res2,
@@ -181,7 +183,7 @@ class NormKernels:
             FUSED_ADD=residual is not None,
             ROWS=rows,
             BLOCK=block,
-            CHUNKS=triton.cdiv(hidden, block),
+            CHUNKS=cdiv(hidden, block),
             num_warps=warps,
         )
         if write_back:

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ...ops.rotary import check_rotary_embedding
 from ..triton_target import TritonTarget
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["RotaryKernels"]
 
@@ -81,6 +82,7 @@ def _store_pairs(x1, x2, cos, sin, ptrs, mask, HALF: tl.constexpr, elem_stride, 
         tl.store(ptrs, tl.reshape(tl.join(o1, o2), [o1.shape[0], 2 * o1.shape[1]]).to(dtype), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _rotary_kernel(
     q_ptr,
@@ -170,11 +172,11 @@ class RotaryKernels:
         if tokens == 0 or most_heads == 0:
             return
         half = cos_sin_cache.shape[-1] // 2
-        half_block = triton.next_power_of_2(half)
-        head_block = min(triton.next_power_of_2(most_heads), max(1, _MAX_PROGRAM_ELEMENTS // (2 * half_block)))
+        half_block = next_power_of_2(half)
+        head_block = min(next_power_of_2(most_heads), max(1, _MAX_PROGRAM_ELEMENTS // (2 * half_block)))
         warps = (head_block * 2 * half_block) // (self.target.warp_size * _ELEMENTS_PER_THREAD)
         warps = max(1, min(self.target.max_warps, warps))
-        _rotary_kernel[(tokens, triton.cdiv(most_heads, head_block))](
+        _rotary_kernel[(tokens, cdiv(most_heads, head_block))](
             query,
             key,
             positions,

@@ -33,6 +33,7 @@ import triton.language as tl
 from ...device_properties import compute_units
 from ...ops.sampling import check_sample
 from ..triton_target import TritonTarget
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["SamplingKernels"]
 
@@ -62,6 +63,7 @@ def _gumbel(seed_key, token_ids):
     return -tl.log(-tl.log(u))
 
 
+@cached_launch
 @triton.jit
 def _sample_kernel(
     logits_ptr,  # [num_seqs, vocab] float32/bfloat16/float16, unit stride along the vocabulary
@@ -130,6 +132,7 @@ def _sample_kernel(
         tl.store(out_ptr + rows, top_id.to(tl.int64), mask=row_ok)
 
 
+@cached_launch
 @triton.jit
 def _merge_splits_kernel(
     part_score_ptr,  # [num_seqs, num_splits] float32
@@ -155,9 +158,9 @@ def _num_sms(device: torch.device) -> int:
 
 def _vocab_splits(programs: int, vocab: int, block_v: int, num_sms: int) -> tuple[int, int]:
     """``(splits, chunk)``: enough programs for about two per SM, each scanning >= _MIN_SPLIT_TOKENS tokens."""
-    splits = max(1, min(triton.cdiv(2 * num_sms, max(programs, 1)), triton.cdiv(vocab, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
-    return triton.cdiv(vocab, chunk), chunk
+    splits = max(1, min(cdiv(2 * num_sms, max(programs, 1)), cdiv(vocab, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+    chunk = cdiv(cdiv(vocab, splits), block_v) * block_v
+    return cdiv(vocab, chunk), chunk
 
 
 def _kept_threshold(
@@ -209,9 +212,9 @@ class SamplingKernels:
         temperature, seeds = temperature.contiguous(), seeds.contiguous()
         keep_score, keep_id = _kept_threshold(logits, temperature, top_k, top_p)
         block = self.target.elementwise_block
-        rows_per_program = max(1, block // triton.next_power_of_2(max(vocab, 16)))  # tiny vocabularies share a program
+        rows_per_program = max(1, block // next_power_of_2(max(vocab, 16)))  # tiny vocabularies share a program
         block_v = block // rows_per_program
-        programs = triton.cdiv(rows, rows_per_program)
+        programs = cdiv(rows, rows_per_program)
         splits, chunk = _vocab_splits(programs, vocab, block_v, _num_sms(logits.device))
         if splits > 1:
             part_score = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
@@ -228,7 +231,7 @@ class SamplingKernels:
         )  # fmt: skip
         if splits > 1:
             _merge_splits_kernel[(rows,)](
-                part_score, part_id, out, splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1
+                part_score, part_id, out, splits, SPLITS_PAD=next_power_of_2(splits), num_warps=1
             )
         return out
 
@@ -237,12 +240,13 @@ class SamplingKernels:
         out = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
         if out.numel():
             block_v = self.target.elementwise_block
-            _noise_kernel[(seeds.shape[0], triton.cdiv(vocab_size, block_v))](
+            _noise_kernel[(seeds.shape[0], cdiv(vocab_size, block_v))](
                 seeds, out, vocab_size, BLOCK_V=block_v, num_warps=4
             )
         return out
 
 
+@cached_launch
 @triton.jit
 def _noise_kernel(seeds_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr):
     """Writes ``_gumbel`` for one block of one row (testing only)."""

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...errors import MemoryContractError
+from .launch import cached_launch, cdiv, next_power_of_2
 
 __all__ = ["BlockCopyPlan", "plan_block_copy", "swap_blocks"]
 
@@ -41,6 +42,7 @@ _WORDS = {
 }
 
 
+@cached_launch
 @triton.jit
 def _copy_blocks_kernel(
     src_ptr,
@@ -99,7 +101,7 @@ class BlockCopyPlan:
     @property
     def chunk_words(self) -> int:
         """Words one program copies."""
-        return min(_CHUNK_WORDS, triton.next_power_of_2(self.piece_words))
+        return min(_CHUNK_WORDS, next_power_of_2(self.piece_words))
 
     @property
     def block_bytes(self) -> int:
@@ -174,7 +176,7 @@ def plan_block_copy(src: torch.Tensor, dst: torch.Tensor) -> BlockCopyPlan:
     def words(elements: int) -> int:  # exact: word divides every byte count above
         return elements * itemsize // word
 
-    if pieces > _MAX_GRID_DIM or triton.cdiv(words(length), _CHUNK_WORDS) > _MAX_GRID_DIM:
+    if pieces > _MAX_GRID_DIM or cdiv(words(length), _CHUNK_WORDS) > _MAX_GRID_DIM:
         raise MemoryContractError(
             f"swap_blocks: a block of {pieces} pieces of {length} elements exceeds the grid's {_MAX_GRID_DIM} "
             "pieces or chunks; copy it with TorchMigrator's chunked path"
@@ -219,7 +221,7 @@ def swap_blocks(
         return
     plan = plan or plan_block_copy(src, dst)
     _, word = _WORDS[plan.word_bytes]
-    grid = (n, plan.pieces, triton.cdiv(plan.piece_words, plan.chunk_words))
+    grid = (n, plan.pieces, cdiv(plan.piece_words, plan.chunk_words))
     _copy_blocks_kernel[grid](
         triton.reinterpret(src, word),
         triton.reinterpret(dst, word),

@@ -1,0 +1,167 @@
+"""Repeat launches of a compiled Triton kernel without Triton's per-call binding (issue 30: eager launch <= 25 us).
+
+``kernel[grid](*args, **constexprs)`` goes through ``JITFunction.run`` on every call: it binds the
+arguments to the signature, specialises each one (dtype, 16-byte alignment, integer width, the value
+1), formats the options into a cache key and looks the compiled kernel up, about 14 us of host time
+on an H100's host before the driver launch (``docs/results/launch-cost-h100.md``). :func:`cached_launch`
+wraps a ``@triton.jit`` kernel so that the call sites keep that syntax, and a launch whose arguments
+specialise as an earlier one's calls that earlier call's compiled kernel directly.
+
+Why this cannot pick the wrong binary: the cache key (:func:`specialisation`) holds, for every
+argument, at least what Triton specialises on (a refinement of its key, tested against Triton's own
+``native_specialize_impl`` in ``core/tests/triton/test_cached_launch.py``), plus every keyword
+(constexprs and options), the device and the kernel's positional-argument count. A first launch
+under a key goes through Triton as before, which compiles or finds the kernel and returns it. Anything
+the key does not describe (a tensor descriptor, a tuple, a dtype object) launches through Triton
+every time, as do launches while a Triton launch hook is set (a profiler) and every launch under
+the interpreter (``TRITON_INTERPRET=1``), where there is no compiled kernel. The direct call is
+Triton 3.6's own (``CompiledKernel.run``, as ``JITFunction.run`` makes it) on CUDA; other Triton
+versions and other drivers (ROCm's, XPU's: never run here) launch through Triton every time.
+
+``VLLM_PORT_TRITON_CACHED_LAUNCH=0`` turns the cache off: every launch goes through Triton's binder.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+from ...faults import read_switch
+
+__all__ = [
+    "CACHED_LAUNCH_ENV",
+    "KNOWN_TRITON",
+    "CachedLaunch",
+    "cached_launch",
+    "cdiv",
+    "next_power_of_2",
+    "specialisation",
+]
+
+#: The switch that turns the cache off (on by default).
+CACHED_LAUNCH_ENV = "VLLM_PORT_TRITON_CACHED_LAUNCH"
+#: What no argument's :func:`_one` returns: the launch goes through Triton.
+_UNKNOWN = object()
+_I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
+#: Keyword values a key may hold (constexprs, options); a launch with any other keyword goes through Triton.
+_CONSTANT_KINDS = frozenset({int, float, bool, str, type(None)})
+#: Keys one kernel keeps at most (a float keyword varying per call must not grow the cache without bound).
+_MOST_KEYS = 1024
+
+
+def _one(arg: Any) -> Any:
+    """What of ``arg`` a compiled kernel depends on: at least what Triton's binder specialises on."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0  # the pointer's element type and 16-byte alignment
+    kind = type(arg)
+    if kind is int:  # the value 1 (a constant), divisibility by 16, and the width Triton passes it in
+        return arg == 1, arg & 15 == 0, _I32_MIN <= arg <= _I32_MAX, arg >= _U64_MIN
+    if kind is float:
+        return float
+    if kind is bool or arg is None:
+        return arg
+    return _UNKNOWN
+
+
+def specialisation(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The cache key part of positional ``args``; ``None`` when one of them is of a kind it does not describe."""
+    key = tuple([_one(a) for a in args])
+    return None if any(k is _UNKNOWN for k in key) else key
+
+
+class CachedLaunch:
+    """A ``@triton.jit`` kernel launched as ``kernel[grid](*args, **constexprs)``, repeat launches straight
+    to the compiled kernel; any other attribute is the kernel's (``warmup``, ``fn``, ...)."""
+
+    def __init__(self, kernel: JITFunction) -> None:
+        self.kernel = kernel
+        self._params = list(inspect.signature(kernel.fn).parameters.values())
+        # (positional specialisation, keywords, device) -> (compiled kernel, the remaining parameters' values)
+        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        #: launches that went through Triton's binder (first launches under a key, and those it cannot key)
+        self.through_triton = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        if not _on():
+            self.kernel[grid](*args, **kwargs)
+            return
+        spec = specialisation(args)
+        words = tuple(kwargs.items())
+        constant = all(type(v) in _CONSTANT_KINDS for _, v in words)  # not a tensor passed by keyword
+        key = (spec, words, torch.cuda.current_device()) if spec is not None and constant else None
+        hit = None if key is None else self._compiled.get(key)
+        if hit is None or _hooked():
+            self.through_triton += 1
+            compiled = self.kernel[grid](*args, **kwargs)
+            if key is not None and compiled is not None and len(self._compiled) < _MOST_KEYS:
+                self._compiled[key] = (compiled, self._rest(len(args), kwargs))
+            return
+        compiled, rest = hit
+        stream = torch._C._cuda_getCurrentRawStream(key[2])
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(
+            grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *rest
+        )
+
+    def _rest(self, given: int, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The values of the parameters after the ``given`` positional ones, as Triton binds them (keywords,
+        then defaults): the same for every launch under one key, since every keyword is in it."""
+        return tuple(kwargs[p.name] if p.name in kwargs else p.default for p in self._params[given:])
+
+
+#: The Triton versions whose ``CompiledKernel.run`` takes the arguments :meth:`CachedLaunch._launch` passes.
+KNOWN_TRITON = ("3.6",)
+
+
+@functools.cache
+def _on() -> bool:
+    """Whether launches may skip Triton's binder: the switch on, compiled kernels (not the interpreter),
+    CUDA's driver and a Triton version whose compiled-kernel call is known."""
+    return (
+        read_switch(CACHED_LAUNCH_ENV, default=True)
+        and not triton.knobs.runtime.interpret
+        and torch.version.cuda is not None
+        and torch.version.hip is None
+        and triton.__version__.startswith(tuple(v + "." for v in KNOWN_TRITON))
+    )
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler's): then Triton launches, and calls it."""
+    runtime = triton.knobs.runtime
+    return any(_set(h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def _set(hook: Any) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))  # Triton 3.6 keeps a chain, empty when unset
+
+
+def cached_launch(kernel: JITFunction) -> CachedLaunch | JITFunction:
+    """``kernel`` with repeat launches straight to its compiled kernel (a decorator above ``@triton.jit``).
+
+    Under the interpreter ``triton.jit`` returns an interpreted function, which is returned as it is.
+    """
+    return CachedLaunch(kernel) if isinstance(kernel, JITFunction) else kernel
+
+
+def cdiv(x: int, y: int) -> int:
+    """``triton.cdiv`` for host code: the same integer, without a constexpr function's call (about 1 us a call)."""
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code: the smallest power of two >= ``n`` (0 for ``n`` <= 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
