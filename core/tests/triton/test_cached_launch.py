@@ -117,7 +117,9 @@ def test_another_specialisation_or_keyword_launches_through_triton(kernel):
     kernel[(1,)](x.half(), 32, 0.5, BLOCK=16)  # another element type
     kernel[(1,)](x, 32, 0.5, BLOCK=32)
     kernel[(1,)](x, 32, 0.5, BLOCK=16, num_warps=8)
-    assert len(kernel.kernel.launches) == 7 and not kernel.kernel.compiled.runs
+    kernel[(1,)](x, 32, 0.5, BLOCK=16, EVEN=1)  # True == 1, but Triton compiles a bool and an int apart
+    kernel[(1,)](x, 32, 0.5, BLOCK=16, EVEN=True)
+    assert len(kernel.kernel.launches) == 9 and not kernel.kernel.compiled.runs
 
 
 def test_a_tensor_by_keyword_or_a_launch_hook_always_launches_through_triton(kernel, monkeypatch):

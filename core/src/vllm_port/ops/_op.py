@@ -282,12 +282,19 @@ def _upcast(value: Any) -> Any:
     return value
 
 
+#: Integer dtypes of each float element size: equal bits are equal values (NaN included), in one pass.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal element for element, NaN matching NaN (caches are poisoned with NaN where nothing may read)."""
-    if a.is_floating_point() and a.element_size() == 1:  # float8: torch has no isnan for it; bits say the same
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     if not a.is_floating_point():
         return torch.equal(a, b)
+    bits = _BITS[a.element_size()]
+    if torch.equal(a.view(bits), b.view(bits)):
+        return True  # the usual case, untouched storage: one pass, no copies
+    if a.element_size() == 1:  # float8: torch has no isnan for it; bits say the same
+        return False
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 

@@ -46,8 +46,6 @@ __all__ = [
 
 #: The switch that turns the cache off (on by default).
 CACHED_LAUNCH_ENV = "VLLM_PORT_TRITON_CACHED_LAUNCH"
-#: What no argument's :func:`_one` returns: the launch goes through Triton.
-_UNKNOWN = object()
 _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
 #: Keyword values a key may hold (constexprs, options); a launch with any other keyword goes through Triton.
 _CONSTANT_KINDS = frozenset({int, float, bool, str, type(None)})
@@ -55,24 +53,51 @@ _CONSTANT_KINDS = frozenset({int, float, bool, str, type(None)})
 _MOST_KEYS = 1024
 
 
-def _one(arg: Any) -> Any:
-    """What of ``arg`` a compiled kernel depends on: at least what Triton's binder specialises on."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() & 15 == 0  # the pointer's element type and 16-byte alignment
-    kind = type(arg)
-    if kind is int:  # the value 1 (a constant), divisibility by 16, and the width Triton passes it in
-        return arg == 1, arg & 15 == 0, _I32_MIN <= arg <= _I32_MAX, arg >= _U64_MIN
-    if kind is float:
-        return float
-    if kind is bool or arg is None:
-        return arg
-    return _UNKNOWN
-
-
 def specialisation(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The cache key part of positional ``args``; ``None`` when one of them is of a kind it does not describe."""
-    key = tuple([_one(a) for a in args])
-    return None if any(k is _UNKNOWN for k in key) else key
+    """What of positional ``args`` a compiled kernel depends on, at least what Triton's binder specialises on;
+    ``None`` when one of them is of a kind it does not describe.
+
+    A tensor: its dtype and 16-byte alignment. An integer, as one small code (no tuple: a launch has up
+    to 25 of them, and this runs on every one): 1 for the value 1 (a constant to Triton), then by width
+    (32 or 64 bits, signed or not) and divisibility by 16. A float: its type. A bool or None: a value
+    no integer code equals (``True == 1`` in a tuple key, and Triton compiles them apart).
+    """
+    key: list[Any] = []
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            if arg == 1:
+                key.append(1)
+            elif _I32_MIN <= arg <= _I32_MAX:
+                key.append(2 if arg & 15 == 0 else 3)
+            else:
+                key.append((4 if arg < _U64_MIN else 6) + (arg & 15 != 0))
+        elif isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() & 15 == 0))
+        elif kind is float:
+            key.append(float)
+        elif kind is bool:
+            key.append("true" if arg else "false")
+        elif arg is None:
+            key.append(None)
+        else:
+            return None
+    return tuple(key)
+
+
+def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The cache key of a launch: the arguments' :func:`specialisation`, every keyword with its type (``True``
+    and ``1`` are keyed apart), the current device; ``None`` when it cannot be keyed (a tensor by keyword)."""
+    spec = specialisation(args)
+    if spec is None:
+        return None
+    words = []
+    for name, value in kwargs.items():
+        kind = type(value)
+        if kind not in _CONSTANT_KINDS:
+            return None
+        words.append((name, kind, value))
+    return spec, tuple(words), torch.cuda.current_device()
 
 
 class CachedLaunch:
@@ -94,13 +119,7 @@ class CachedLaunch:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if not _on():
-            self.kernel[grid](*args, **kwargs)
-            return
-        spec = specialisation(args)
-        words = tuple(kwargs.items())
-        constant = all(type(v) in _CONSTANT_KINDS for _, v in words)  # not a tensor passed by keyword
-        key = (spec, words, torch.cuda.current_device()) if spec is not None and constant else None
+        key = _key(args, kwargs) if _on() else None
         hit = None if key is None else self._compiled.get(key)
         if hit is None or _hooked():
             self.through_triton += 1
@@ -109,7 +128,7 @@ class CachedLaunch:
                 self._compiled[key] = (compiled, self._rest(len(args), kwargs))
             return
         compiled, rest = hit
-        stream = torch._C._cuda_getCurrentRawStream(key[2])
+        stream = torch._C._cuda_getCurrentRawStream(key[-1])
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         compiled.run(
