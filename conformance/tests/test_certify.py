@@ -7,6 +7,7 @@ is made once for all workers, and ``xdist_group`` keeps its readers together.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -278,6 +279,7 @@ def _certified_report():
 #: what ``python -m vllm_port_vllm.check --json`` answers for a plugin whose rotary is off inside vLLM
 _FAILED_INSIDE_VLLM = {
     "ok": False,
+    "model": "tiny-llama",
     "vllm_version": "0.32.0",
     "dtype": "float32",
     "atol": 1e-5,
@@ -313,11 +315,26 @@ def test_a_failure_inside_vllm_refuses_a_plugin_the_suite_passed(monkeypatch):
     assert handed == [("cpu", suite)]  # a certificate of the suite's run, saying the stage is under way
     assert final["verdict"] == "not certified" and final["vllm"]["ran"] and not final["vllm"]["ok"]
     reason = final["reason"]
-    assert reason.startswith("the suite passed, but inside vLLM (the bridge against vLLM alone): eager: logprobs 3.5x")
+    assert reason.startswith(
+        "the suite passed, but inside vLLM (the bridge against vLLM alone): tiny-llama eager: logprobs 3.5x"
+    )
     assert "request 1 first differs at step 2" in reason and "bridged ops never called: rotary_embedding" in reason
     assert "compiled" not in reason and final["timing"]["vllm_s"] >= 0
     assert certify.verify(final) == []
     assert "| eager | 3.5, 0.2 | 3/4 | request 1 step 2 gap 0.5 |" in "\n".join(certify._vllm_lines(final["vllm"]))
+
+
+def test_a_mixture_of_experts_failing_inside_vllm_refuses_naming_it():
+    """The dense model passed; the mixture of experts (``vllm.moe``) did not: refused, naming the model and its op."""
+    moe = copy.deepcopy(_FAILED_INSIDE_VLLM)
+    moe["model"] = "tiny-mixtral"
+    moe["modes"]["eager"].update(worst_prefill=0.1, divergences=[], calls={"fused_moe": 0}, uncalled=["fused_moe"])
+    dense = copy.deepcopy(_FAILED_INSIDE_VLLM["modes"]["compiled"])
+    stage = {"ran": True, **_FAILED_INSIDE_VLLM, "ok": False, "modes": {"eager": dense, "compiled": dense}, "moe": moe}
+    assert inside_vllm.failure(stage) == "tiny-mixtral eager: bridged ops never called: fused_moe"
+    assert inside_vllm.failure({**stage, "ok": True}) is None
+    lines = "\n".join(certify._vllm_lines(stage))
+    assert "a mixture of experts (tiny-mixtral)" in lines and "| eager | 0.1, 0.2 | 3/4 | none | fused_moe 0 |" in lines
 
 
 def test_verify_rejects_a_certified_verdict_over_a_failure_inside_vllm():

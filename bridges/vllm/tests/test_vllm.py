@@ -97,7 +97,8 @@ def test_certification_inside_vllm_matches_vllm_alone_and_calls_every_bridged_op
     certified: dict, bridge_python: Path
 ) -> None:
     """The stage inside vLLM, as ``vllm-port certify`` runs it: logprobs within the ops' tolerance of vLLM alone,
-    a differing greedy id only at a proven near-tie, every bridged op a Llama runs called, in both modes."""
+    a differing greedy id only at a proven near-tie, every bridged op a Llama runs called, in both modes; then the
+    same for a tiny Mixtral, its experts on the plugin's fused_moe."""
     report = certified["report"]
     stage = report["vllm"]
     assert stage["ran"] and stage["ok"], stage
@@ -108,8 +109,15 @@ def test_certification_inside_vllm_matches_vllm_alone_and_calls_every_bridged_op
         assert all(d["tie"] for d in m["divergences"]), (mode, m["divergences"])  # a differing id is a proven near-tie
         assert not m["uncalled"], (mode, m["calls"])  # every bridged op a Llama runs was called in vLLM
         assert all(p.startswith("cpu/") for ps in m["providers"].values() for p in ps), (mode, m["providers"])
+    moe = stage["moe"]  # then a mixture of experts, every expert layer on the plugin's fused_moe
+    assert moe["ok"] and moe["model"] == "tiny-mixtral", moe
+    for mode in ("eager", "compiled"):
+        m = moe["modes"][mode]
+        assert m["calls"]["fused_moe"] > 0 and not m["uncalled"], (mode, m["calls"])
+        assert all(p.startswith("cpu/") for ps in m["providers"].values() for p in ps), (mode, m["providers"])
     assert report["verdict"] == "certified" and "vllm_port_vllm" in report["source"]["packages"]
-    assert "## Inside vLLM" in (certified["path"].parent / "report.md").read_text()
+    rendered = (certified["path"].parent / "report.md").read_text()
+    assert "## Inside vLLM" in rendered and "a mixture of experts (tiny-mixtral)" in rendered
     verified = subprocess.run(
         [str(bridge_python), "-m", "vllm_port.cli", "certify", "--verify", str(certified["path"])],
         capture_output=True,

@@ -20,8 +20,8 @@ certificate needs the whole suite). The mutant catalogue is certified this way, 
 against the checks that must catch it.
 
 Where vLLM and the vLLM bridge are installed beside the plugin, a whole run that passes goes on to a
-last stage inside vLLM (:mod:`~vllm_port_conformance.inside_vllm`): a tiny Llama in vLLM with the
-bridge on the plugin's kernels against vLLM alone, logits within the ops' tolerances. Its result is
+last stage inside vLLM (:mod:`~vllm_port_conformance.inside_vllm`): a tiny Llama, then a tiny Mixtral,
+in vLLM with the bridge on the plugin's kernels against vLLM alone, logits within the ops' tolerances. Its result is
 the report's ``vllm`` field, and a failure there refuses the plugin (``--vllm skip|require``).
 
 Exit status: 0 certified (or report verified), 1 not certified (or report rejected),
@@ -839,17 +839,25 @@ def _vllm_lines(stage: dict[str, Any] | None) -> list[str]:
     lines = ["## Inside vLLM", ""]
     if not stage.get("ran"):
         return [*lines, f"Not run: {stage.get('why')}.", ""]
-    if stage.get("error"):
-        return [*lines, f"**FAIL**: {stage['error']}", ""]
-    lines += [
-        f"vLLM {stage.get('vllm_version', '?')}, a tiny Llama ({stage.get('dtype')}), the bridge on this plugin's "
-        f"kernels against vLLM alone; tolerance atol {stage.get('atol')}, rtol {stage.get('rtol')}: "
-        f"**{'PASS' if stage.get('ok') else 'FAIL'}**.",
+    lines += _model_lines(stage, "a tiny Llama")
+    if stage.get("moe"):  # reports before the mixture of experts joined the stage have none
+        lines += _model_lines(stage["moe"], f"a mixture of experts ({stage['moe'].get('model', 'tiny-mixtral')})")
+    return lines
+
+
+def _model_lines(result: dict[str, Any], model: str) -> list[str]:
+    """One model's check inside vLLM: its verdict and a row per mode."""
+    if result.get("error"):
+        return [f"{model}: **FAIL**: {result['error']}", ""]
+    lines = [
+        f"vLLM {result.get('vllm_version', '?')}, {model} ({result.get('dtype')}), the bridge on this plugin's "
+        f"kernels against vLLM alone; tolerance atol {result.get('atol')}, rtol {result.get('rtol')}: "
+        f"**{'PASS' if result.get('ok') else 'FAIL'}**.",
         "",
         "| mode | worst logprob / tolerance (prompts, steps) | greedy ids equal | near-ties | bridged ops called |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for mode, m in sorted((stage.get("modes") or {}).items()):
+    for mode, m in sorted((result.get("modes") or {}).items()):
         ties = ", ".join(f"request {d['request']} step {d['step']} gap {d['gap']:.3g}" for d in m["divergences"])
         calls = ", ".join(f"{op} {n}" for op, n in sorted(m["calls"].items()))
         lines.append(

@@ -4,7 +4,9 @@ Where vLLM and the bridge (``vllm-port-vllm``) are installed beside the plugin, 
 runs, once the whole suite has passed, ``python -m vllm_port_vllm.check --tiny-llama``: a tiny
 Llama 3.1 in vLLM alone and in vLLM with the bridge on the plugin's kernels, eager and compiled; the
 whole vocabulary's logprobs compared element by element within the bridged ops' tolerances, a
-differing greedy id allowed only at a proven near-tie, and every bridged op called. The bridge runs
+differing greedy id allowed only at a proven near-tie, and every bridged op called. Then the same
+with ``--tiny-mixtral``, a mixture of experts whose layers vLLM hands to the plugin's ``fused_moe``
+(the report's ``vllm.moe``). The bridge runs
 only certified kernels, so it is handed the report the suite has just made (a certificate of these
 very sources, whose ``vllm`` field says the stage is under way); the stage's result becomes the final
 report's ``vllm`` field, and a failure there refuses the plugin.
@@ -31,8 +33,11 @@ MODES = ("auto", "skip", "require")
 BRIDGE_PACKAGE = "vllm_port_vllm"
 #: the ``vllm`` field of the certificate handed to the bridge while the stage runs
 UNDER_WAY = "the stage inside vLLM is under way with this report as its certificate; the final report holds its result"
-#: seconds the whole stage may take: four vLLM processes (two compile) on a tiny model
+#: seconds each model's check may take: four vLLM processes (two compile) on a tiny model
 TIMEOUT_S = 3000
+#: the check's tiny models: the dense one whose result is the ``vllm`` field, and the mixture of experts
+#: whose result is its ``moe`` (``vllm_port_vllm.check``'s flags)
+DENSE, MOE = "--tiny-llama", "--tiny-mixtral"
 
 
 def missing() -> str | None:
@@ -49,21 +54,29 @@ def not_run(why: str) -> dict[str, Any]:
 
 
 def run(plugin: str, certificate: Path, timeout_s: int = TIMEOUT_S) -> dict[str, Any]:
-    """Run the bridge's check on ``plugin`` with ``certificate``; the ``vllm`` field of the final report.
+    """Run the bridge's check on ``plugin`` with ``certificate``: the ``vllm`` field of the final report.
 
-    ``ok`` is the check's verdict; a check that could not finish is ``ok: False`` with its ``error``.
+    The dense model's result, with the mixture of experts' as its ``moe``. ``ok`` is both checks'
+    verdict; a check that could not finish is ``ok: False`` with its ``error``.
     """
-    cmd = [sys.executable, "-m", f"{BRIDGE_PACKAGE}.check", "--tiny-llama", "--json"]
+    dense = _check(plugin, certificate, DENSE, timeout_s)
+    moe = _check(plugin, certificate, MOE, timeout_s)
+    return {**dense, "ok": bool(dense.get("ok") and moe.get("ok")), "moe": moe}
+
+
+def _check(plugin: str, certificate: Path, model: str, timeout_s: int) -> dict[str, Any]:
+    """One model's check inside vLLM (``model``: the check's flag); its JSON report, or ``ok: False`` and why."""
+    cmd = [sys.executable, "-m", f"{BRIDGE_PACKAGE}.check", model, "--json"]
     env = {**os.environ, "VLLM_PORT_CERTIFICATE": str(certificate), "VLLM_PORT_PLUGINS": plugin}
     try:
         # S603: this interpreter running the bridge's installed check module, no shell
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)  # noqa: S603
     except subprocess.TimeoutExpired:
-        return {"ran": True, "ok": False, "error": f"the check inside vLLM took longer than {timeout_s} s"}
+        return {"ran": True, "ok": False, "error": f"the check {model} inside vLLM took longer than {timeout_s} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         said = (done.stderr or done.stdout).strip()[-3000:]
-        return {"ran": True, "ok": False, "error": f"the check inside vLLM exited {done.returncode}: {said}"}
+        return {"ran": True, "ok": False, "error": f"the check {model} inside vLLM exited {done.returncode}: {said}"}
     return {"ran": True, **json.loads(lines[-1])}
 
 
@@ -71,6 +84,15 @@ def failure(result: dict[str, Any]) -> str | None:
     """What failed inside vLLM, in one sentence, or ``None`` when the stage passed or did not run."""
     if not result.get("ran") or result.get("ok"):
         return None
+    said = [_model_failure(result)]
+    if result.get("moe"):  # reports before the mixture of experts joined the stage have none
+        said.append(_model_failure(result["moe"]))
+    return "; ".join(what for what in said if what) or "failed"
+
+
+def _model_failure(result: dict[str, Any]) -> str | None:
+    """What failed in one model's check (its error, or each failed mode), naming the model; ``None`` when nothing
+    did. Read from the modes, not ``ok``: the dense model's result carries the whole stage's ``ok``."""
     if result.get("error"):
         return str(result["error"])
     said = []
@@ -91,5 +113,5 @@ def failure(result: dict[str, Any]) -> str | None:
         ]
         if m.get("uncalled"):
             parts.append(f"bridged ops never called: {', '.join(m['uncalled'])}")
-        said.append(f"{mode}: " + "; ".join(parts or ["failed"]))
-    return "; ".join(said) or "failed"
+        said.append(f"{result.get('model', 'the model')} {mode}: " + "; ".join(parts or ["failed"]))
+    return "; ".join(said) or None
