@@ -2,15 +2,15 @@
 
 ``kernel[grid](*args, **constexprs)`` goes through ``JITFunction.run`` on every call: it binds the
 arguments to the signature, specialises each one (dtype, 16-byte alignment, integer width, the value
-1), formats the options into a cache key and looks the compiled kernel up, about 14 us of host time
-on an H100's host before the driver launch (``docs/results/launch-cost-h100.md``). :func:`cached_launch`
-wraps a ``@triton.jit`` kernel so that the call sites keep that syntax, and a launch whose arguments
-specialise as an earlier one's calls that earlier call's compiled kernel directly.
+1), formats the options into a cache key, looks the compiled kernel up and builds its launch metadata,
+all before the driver launch (``docs/results/launch-cost-h100.md`` measures what that costs).
+:func:`cached_launch` wraps a ``@triton.jit`` kernel so that the call sites keep that syntax, and a
+launch whose arguments specialise as an earlier one's calls that earlier call's compiled kernel directly.
 
 Why this cannot pick the wrong binary: the cache key (:func:`specialisation`) holds, for every
 argument, at least what Triton specialises on (a refinement of its key, tested against Triton's own
-``native_specialize_impl`` in ``core/tests/triton/test_cached_launch.py``), plus every keyword
-(constexprs and options), the device and the kernel's positional-argument count. A first launch
+``native_specialize_impl`` in ``core/tests/triton/test_cached_launch.py``), plus every keyword with
+its type (constexprs and options) and the device. A first launch
 under a key goes through Triton as before, which compiles or finds the kernel and returns it. Anything
 the key does not describe (a tensor descriptor, a tuple, a dtype object) launches through Triton
 every time, as do launches while a Triton launch hook is set (a profiler) and every launch under
