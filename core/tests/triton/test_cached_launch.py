@@ -132,7 +132,36 @@ def test_a_tensor_by_keyword_or_a_launch_hook_always_launches_through_triton(ker
     hooks.add(lambda metadata: None)
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hooks)
     kernel[(1,)](x, 32, 0.5, BLOCK=16)
-    assert len(kernel.kernel.launches) == 4 and not kernel.kernel.compiled.runs
+    kernel[(1,)](x, 32, 0.5, BLOCK=64)  # compiled while hooked: not kept
+    assert len(kernel.kernel.launches) == 5 and not kernel.kernel.compiled.runs and len(kernel._compiled) == 1
+
+
+def test_a_constexpr_passed_positionally_or_a_grid_function_always_launches_through_triton(kernel):
+    """The key holds a positional integer by class; Triton holds a constexpr by value (BLOCK=16 and 32 compile
+    apart): such launches never use the cache, nor does a grid Triton computes from the arguments."""
+    x = torch.zeros(64)
+    for block in (16, 32, 16):
+        kernel[(1,)](x, 32, 0.5, block)
+    for _ in range(2):
+        kernel[lambda args: (1,)](x, 32, 0.5, BLOCK=16)
+    assert len(kernel.kernel.launches) == 5 and not kernel._compiled and not kernel.kernel.compiled.runs
+
+
+@pytest.mark.parametrize("knob", ["debug", "instrumentation_mode"])
+def test_launches_triton_instruments_neither_use_nor_fill_the_cache(kernel, monkeypatch, knob):
+    """Triton keys its kernels on debug mode and the instrumentation mode: a kernel compiled under either is
+    never kept, and one kept before is not launched while either is on."""
+    x = torch.zeros(64)
+    kernel[(1,)](x, 32, 0.5, BLOCK=16)  # kept
+    where = triton.knobs.runtime if knob == "debug" else triton.knobs.compilation
+    before = getattr(where, knob)
+    monkeypatch.setattr(where, knob, True if knob == "debug" else "fpsan")
+    kernel[(1,)](x, 32, 0.5, BLOCK=16)
+    kernel[(1,)](x, 32, 0.5, BLOCK=32)
+    assert len(kernel.kernel.launches) == 3 and len(kernel._compiled) == 1 and not kernel.kernel.compiled.runs
+    monkeypatch.setattr(where, knob, before)
+    kernel[(1,)](x, 32, 0.5, BLOCK=16)
+    assert len(kernel.kernel.compiled.runs) == 1
 
 
 def test_the_interpreter_keeps_tritons_own_function():

@@ -11,10 +11,14 @@ Why this cannot pick the wrong binary: the cache key (:func:`specialisation`) ho
 argument, at least what Triton specialises on (a refinement of its key, tested against Triton's own
 ``native_specialize_impl`` in ``core/tests/triton/test_cached_launch.py``), plus every keyword with
 its type (constexprs and options) and the device. A first launch
-under a key goes through Triton as before, which compiles or finds the kernel and returns it. Anything
-the key does not describe (a tensor descriptor, a tuple, a dtype object) launches through Triton
-every time, as do launches while a Triton launch hook is set (a profiler) and every launch under
-the interpreter (``TRITON_INTERPRET=1``), where there is no compiled kernel. The direct call is
+under a key goes through Triton as before, which compiles or finds the kernel and returns it. These
+launch through Triton every time, and are never kept: arguments the key does not describe (a tensor
+descriptor, a tuple, a dtype object), a constexpr passed positionally (the key holds positional
+integers by class, Triton a constexpr by value), a grid given as a function, launches while Triton
+instruments them (a launch hook set, as a profiler does; ``knobs.runtime.debug``; an instrumentation
+mode: each compiles or calls another kernel), and every launch under the interpreter
+(``TRITON_INTERPRET=1``), where there is no compiled kernel. A kernel's global constants are read when
+it compiles: Triton's launch refuses one changed since, a cached launch does not look. The direct call is
 Triton 3.6's own (``CompiledKernel.run``, as ``JITFunction.run`` makes it) on CUDA; other Triton
 versions and other drivers (ROCm's, XPU's: never run here) launch through Triton every time.
 
@@ -107,6 +111,8 @@ class CachedLaunch:
     def __init__(self, kernel: JITFunction) -> None:
         self.kernel = kernel
         self._params = list(inspect.signature(kernel.fn).parameters.values())
+        # positional arguments a key may hold: those before the first constexpr parameter
+        self._positional = next((p.num for p in kernel.params if p.is_constexpr), len(kernel.params))
         # (positional specialisation, keywords, device) -> (compiled kernel, the remaining parameters' values)
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
         #: launches that went through Triton's binder (first launches under a key, and those it cannot key)
@@ -119,12 +125,13 @@ class CachedLaunch:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        key = _key(args, kwargs) if _on() else None
+        keyed = _on() and len(args) <= self._positional and not callable(grid)
+        key = _key(args, kwargs) if keyed else None
         hit = None if key is None else self._compiled.get(key)
-        if hit is None or _hooked():
+        if hit is None or _instrumented():
             self.through_triton += 1
             compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None and compiled is not None and len(self._compiled) < _MOST_KEYS:
+            if key is not None and compiled is not None and len(self._compiled) < _MOST_KEYS and not _instrumented():
                 self._compiled[key] = (compiled, self._rest(len(args), kwargs))
             return
         compiled, rest = hit
@@ -158,10 +165,12 @@ def _on() -> bool:
     )
 
 
-def _hooked() -> bool:
-    """Whether a launch hook is set (a profiler's): then Triton launches, and calls it."""
-    runtime = triton.knobs.runtime
-    return any(_set(h) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+def _instrumented() -> bool:
+    """Whether Triton instruments launches now: a launch hook set (a profiler's), which Triton calls; debug mode or
+    an instrumentation mode, which Triton keys its compiled kernels on (each compiles another kernel)."""
+    knobs = triton.knobs
+    hooked = any(_set(h) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    return hooked or bool(knobs.runtime.debug) or bool(knobs.compilation.instrumentation_mode)
 
 
 def _set(hook: Any) -> bool:
