@@ -28,7 +28,6 @@ versions and other drivers (ROCm's, XPU's: never run here) launch through Triton
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -110,9 +109,9 @@ class CachedLaunch:
 
     def __init__(self, kernel: JITFunction) -> None:
         self.kernel = kernel
-        self._params = list(inspect.signature(kernel.fn).parameters.values())
+        self._params = kernel.params  # Triton's own view of the signature: names, defaults, constexprs
         # positional arguments a key may hold: those before the first constexpr parameter
-        self._positional = next((p.num for p in kernel.params if p.is_constexpr), len(kernel.params))
+        self._positional = next((p.num for p in self._params if p.is_constexpr), len(self._params))
         # (positional specialisation, keywords, device) -> (compiled kernel, the remaining parameters' values)
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
         #: launches that went through Triton's binder (first launches under a key, and those it cannot key)
