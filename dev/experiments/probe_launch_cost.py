@@ -105,9 +105,22 @@ def main() -> None:
     empty = [
         host_us(lambda *t, k=k: k[(1,)](*t, n=1), (x,) * 8) for _ in range(ROUNDS) for k in (_empty, _empty_cached)
     ]
+    # the cached launch's pieces: its C launcher called with the tensors (Triton's launcher then calls data_ptr() and
+    # cuPointerGetAttribute for each), with their addresses (what the cached launch passes), and the key alone
+    launcher, head, rest = next(iter(_empty_cached._compiled.values()))
+    stream = torch.cuda.current_stream().cuda_stream
+    addresses = (x.data_ptr(),) * 8
+    pieces = [
+        host_us(lambda *t: launcher(1, 1, 1, stream, *head, *t, *rest), given)
+        for _ in range(ROUNDS)
+        for given in ((x,) * 8, addresses)
+    ]
     floor = {
         "empty Triton kernel, 8 tensors": statistics.median(empty[0::2]),
         "the same, cached launch": statistics.median(empty[1::2]),
+        "its C launcher, 8 tensors": statistics.median(pieces[0::2]),
+        "its C launcher, 8 addresses": statistics.median(pieces[1::2]),
+        "the cached launch's key of 8 tensors": host_us(launch._keyed, ((x,) * 8, {"n": 1})),
         "torch.add": host_us(torch.add, (x, x)),
     }
     for label, us in floor.items():

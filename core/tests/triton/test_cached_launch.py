@@ -62,14 +62,33 @@ def _kernel_fn(x_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr = True):
     pass
 
 
+class _Launcher:
+    """Stands in for Triton 3.6's ``CudaLauncher``: ``__call__`` (``CompiledKernel.run``) and its C ``launch``."""
+
+    launch_cooperative_grid, launch_pdl = "coop", "pdl"
+
+    def __init__(self, scratch: int) -> None:
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.calls: list[tuple] = []  # through __call__
+        self.launches: list[tuple] = []  # straight to the C launcher
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+
 class _Compiled:
     function, packed_metadata = "function", "metadata"
 
-    def __init__(self) -> None:
-        self.runs: list[tuple] = []
+    def __init__(self, scratch: int = 0) -> None:
+        self.run = _Launcher(scratch)
 
-    def run(self, *args):
-        self.runs.append(args)
+    @property
+    def runs(self) -> list[tuple]:
+        """Every launch that skipped Triton's binder, by either path."""
+        return self.run.calls + self.run.launches
 
 
 class _Triton:
@@ -91,21 +110,34 @@ class _Triton:
 def kernel(monkeypatch: pytest.MonkeyPatch) -> CachedLaunch:
     """A cached launch of a two-constexpr kernel on a pretend CUDA device 0 whose stream is 77."""
     monkeypatch.setattr(launch, "_on", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     cached = CachedLaunch(JITFunction(_kernel_fn))
     cached.kernel = _Triton()
     return cached
 
 
-def test_a_repeat_launch_calls_the_compiled_kernel_with_what_triton_binds(kernel):
+def test_a_repeat_launch_calls_the_c_launcher_with_what_triton_passes(kernel):
     x = torch.zeros(64)
     kernel[(3,)](x, 32, 0.5, BLOCK=16)
     kernel[(5, 2)](x, 48, 0.25, BLOCK=16)  # other values, the same specialisation
-    assert len(kernel.kernel.launches) == 1
-    (run,) = kernel.kernel.compiled.runs
-    assert run[:9] == (5, 2, 1, 77, "function", "metadata", None, None, None)
-    assert run[9] is x and run[10:] == (48, 0.25, 16, True)  # the keyword, then the default
+    assert len(kernel.kernel.launches) == 1 and not kernel.kernel.compiled.run.calls
+    (run,) = kernel.kernel.compiled.run.launches
+    # grid, stream, function, cooperative grid and PDL flags, no scratch, metadata, no launch metadata, no hooks
+    assert run[:13] == (5, 2, 1, 77, "function", "coop", "pdl", None, None, "metadata", None, None, None)
+    assert run[13] is x and run[14:] == (48, 0.25, 16, True)  # a CPU tensor as it is; the keyword, the default
+
+
+def test_a_kernel_with_scratch_memory_launches_through_its_compiled_kernel(kernel):
+    """``CompiledKernel.run`` allocates a kernel's scratch memory on each launch: such a kernel is called there."""
+    kernel.kernel.compiled = _Compiled(scratch=256)
+    x = torch.zeros(64)
+    for n in (32, 48):
+        kernel[(3,)](x, n, 0.5, BLOCK=16)
+    assert not kernel.kernel.compiled.run.launches
+    (run,) = kernel.kernel.compiled.run.calls
+    assert run[:9] == (3, 1, 1, 77, "function", "metadata", None, None, None)
+    assert run[9] is x and run[10:] == (48, 0.5, 16, True)
 
 
 def test_another_specialisation_or_keyword_launches_through_triton(kernel):
@@ -164,9 +196,35 @@ def test_launches_triton_instruments_neither_use_nor_fill_the_cache(kernel, monk
     assert len(kernel.kernel.compiled.runs) == 1
 
 
+INTERPRETED = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1 where there is no GPU (conftest.py)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton's interpreter is off (a GPU)")
 def test_the_interpreter_keeps_tritons_own_function():
-    interpreted = triton.jit(_kernel_fn)  # TRITON_INTERPRET=1 in this session (conftest.py)
+    interpreted = triton.jit(_kernel_fn)
     assert cached_launch(interpreted) is interpreted
+
+
+@cached_launch
+@triton.jit
+def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+
+
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="launches a compiled kernel on a GPU")
+def test_on_a_gpu_a_repeat_launch_skips_the_binder_computes_the_same_and_refuses_host_memory():
+    assert launch._on(), f"the cached launch is off on this GPU (Triton {triton.__version__}): see KNOWN_TRITON"
+    x, y = torch.randn(2, 1024, device="cuda")
+    for n in (1024, 1000, 1024, 1000):  # two specialisations (n divisible by 16 or not), each launched twice
+        out = torch.zeros(1024, device="cuda")
+        _add_kernel[(cdiv(n, 128),)](x, y, out, n, BLOCK=128)
+        assert torch.equal(out[:n], x[:n] + y[:n]) and not out[n:].any()
+    assert _add_kernel.through_triton == 2 and len(_add_kernel._compiled) == 2
+    host = torch.zeros(1024)  # the same specialisation as a cached launch, in host memory: the launcher refuses it
+    with pytest.raises(ValueError, match="cannot be accessed from Triton"):
+        _add_kernel[(8,)](x, y, host, 1024, BLOCK=128)
 
 
 def _launched(tree: ast.Module) -> set[str]:

@@ -134,7 +134,7 @@ def check_writable(op: str, arg: str, value: torch.Tensor) -> None:
     Any strided view is fine; an expanded one (a stride of 0 over a dimension of size > 1) is not:
     one write would land in several elements. Metadata only, no device synchronisation.
     """
-    if value.numel() == 0:  # nothing to write (its strides may be anything)
+    if value.is_contiguous() or value.numel() == 0:  # each element its own memory; or nothing to write
         return
     if any(stride == 0 and size > 1 for stride, size in zip(value.stride(), value.shape, strict=True)):
         raise OpInputError(

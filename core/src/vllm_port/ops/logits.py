@@ -62,6 +62,11 @@ _ROW_ARGS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "tem
 # ------------------------------------------------------------------------------------------------
 
 
+def _check_device(op: str, arg: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise OpInputError(f"{op}: {arg} is on {t.device} but logits is on {device}; move them to one device")
+
+
 def check_process_logits(
     logits,
     bias,
@@ -76,28 +81,24 @@ def check_process_logits(
     """Refuse arguments outside ``process_logits``'s contract; values are checked under validation."""
     op = "process_logits"
     check_float(op, "logits", logits)
-    if logits.dim() != 2 or logits.shape[1] < 1:
-        raise OpInputError(f"{op}: logits has shape {tuple(logits.shape)}; it must be [num_seqs, vocab_size >= 1]")
-    rows = logits.shape[0]
-    dense = {"bias": (bias, torch.float32), "output_counts": (output_counts, torch.int32),
-             "prompt_mask": (prompt_mask, torch.bool)}  # fmt: skip
-    for arg, (t, dtype) in dense.items():
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != logits.shape:
+    shape, device = logits.shape, logits.device
+    if len(shape) != 2 or shape[1] < 1:
+        raise OpInputError(f"{op}: logits has shape {tuple(shape)}; it must be [num_seqs, vocab_size >= 1]")
+    rows = shape[0]
+    # one loop over plain tuples: this runs on every call (a provider's host time, issue 30)
+    for arg, t, dtype in (("bias", bias, torch.float32), ("output_counts", output_counts, torch.int32),
+                          ("prompt_mask", prompt_mask, torch.bool)):  # fmt: skip
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != shape:
             raise OpInputError(
                 f"{op}: {arg} must be a tensor of dtype {str(dtype).removeprefix('torch.')} and logits' shape "
-                f"{list(logits.shape)} (one entry per sequence and token)"
+                f"{list(shape)} (one entry per sequence and token)"
             )
-    per_row = dict(
-        zip(_ROW_ARGS, (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p), strict=True)
-    )
-    for arg, t in per_row.items():
+        _check_device(op, arg, t, device)
+    per_row = (repetition_penalty, frequency_penalty, presence_penalty, temperature, min_p)
+    for arg, t in zip(_ROW_ARGS, per_row, strict=True):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (rows,):
             raise OpInputError(f"{op}: {arg} must be a float32 tensor of shape [{rows}] (one value per sequence)")
-    for arg, t in [*((name, t) for name, (t, _) in dense.items()), *per_row.items()]:
-        if t.device != logits.device:
-            raise OpInputError(
-                f"{op}: {arg} is on {t.device} but logits is on {logits.device}; move them to one device"
-            )
+        _check_device(op, arg, t, device)
     if reads_values(logits, bias, output_counts, repetition_penalty):
         _check_process_values(logits, bias, output_counts, repetition_penalty, frequency_penalty, presence_penalty,
                               temperature, min_p)  # fmt: skip

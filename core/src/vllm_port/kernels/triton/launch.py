@@ -19,8 +19,10 @@ instruments them (a launch hook set, as a profiler does; ``knobs.runtime.debug``
 mode: each compiles or calls another kernel), and every launch under the interpreter
 (``TRITON_INTERPRET=1``), where there is no compiled kernel. A kernel's global constants are read when
 it compiles: Triton's launch refuses one changed since, a cached launch does not look. The direct call is
-Triton 3.6's own (``CompiledKernel.run``, as ``JITFunction.run`` makes it) on CUDA; other Triton
-versions and other drivers (ROCm's, XPU's: never run here) launch through Triton every time.
+what Triton 3.6's ``JITFunction.run`` calls on CUDA (its compiled kernel's C launcher, through
+``CompiledKernel.run`` where the kernel has scratch memory to allocate), with a CUDA tensor passed as its
+address as that launcher would resolve it; other Triton versions and other drivers (ROCm's, XPU's: never
+run here) launch through Triton every time.
 
 ``VLLM_PORT_TRITON_CACHED_LAUNCH=0`` turns the cache off: every launch goes through Triton's binder.
 """
@@ -65,42 +67,63 @@ def specialisation(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     (32 or 64 bits, signed or not) and divisibility by 16. A float: its type. A bool or None: a value
     no integer code equals (``True == 1`` in a tuple key, and Triton compiles them apart).
     """
+    bound = _bind(args)
+    return None if bound is None else bound[0]
+
+
+def _bind(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """:func:`specialisation` of ``args``, and the values Triton's launcher takes for them, in one pass.
+
+    A CUDA tensor is passed as its address (an ``int``), as Triton's launcher would resolve it: for an
+    object it calls ``data_ptr()`` and asks the driver for the device address (``cuPointerGetAttribute``),
+    which is the same address for CUDA memory (unified addressing) and only refuses host memory. Any other
+    tensor is passed as it is, so that the launcher checks it as before (and refuses a CPU tensor).
+    """
     key: list[Any] = []
+    passed: list[Any] = []
+    keep, give = key.append, passed.append  # bound once: this loop runs for every argument of every launch
     for arg in args:
         kind = type(arg)
         if kind is int:
             if arg == 1:
-                key.append(1)
+                keep(1)
             elif _I32_MIN <= arg <= _I32_MAX:
-                key.append(2 if arg & 15 == 0 else 3)
+                keep(2 if arg & 15 == 0 else 3)
             else:
-                key.append((4 if arg < _U64_MIN else 6) + (arg & 15 != 0))
-        elif isinstance(arg, torch.Tensor):
-            key.append((arg.dtype, arg.data_ptr() & 15 == 0))
+                keep((4 if arg < _U64_MIN else 6) + (arg & 15 != 0))
+            give(arg)
+        elif kind is torch.Tensor or isinstance(arg, torch.Tensor):
+            address = arg.data_ptr()
+            keep(arg.dtype)  # then its alignment: only a tensor puts a dtype in the key, so it parses one way
+            keep(address & 15 == 0)
+            give(address if arg.is_cuda else arg)
         elif kind is float:
-            key.append(float)
+            keep(float)
+            give(arg)
         elif kind is bool:
-            key.append("true" if arg else "false")
+            keep("true" if arg else "false")
+            give(arg)
         elif arg is None:
-            key.append(None)
+            keep(None)
+            give(arg)
         else:
             return None
-    return tuple(key)
+    return tuple(key), passed
 
 
-def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The cache key of a launch: the arguments' :func:`specialisation`, every keyword with its type (``True``
-    and ``1`` are keyed apart), the current device; ``None`` when it cannot be keyed (a tensor by keyword)."""
-    spec = specialisation(args)
-    if spec is None:
+def _keyed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """The cache key of a launch (the arguments' :func:`specialisation`, every keyword with its type: ``True``
+    and ``1`` are keyed apart; the current device) and the positional values to pass; ``None`` when it cannot be
+    keyed (a tensor by keyword)."""
+    bound = _bind(args)
+    if bound is None:
         return None
-    words = []
-    for name, value in kwargs.items():
-        kind = type(value)
-        if kind not in _CONSTANT_KINDS:
-            return None
-        words.append((name, kind, value))
-    return spec, tuple(words), torch.cuda.current_device()
+    values = tuple(kwargs.values())
+    kinds = tuple(map(type, values))
+    if not _CONSTANT_KINDS.issuperset(kinds):
+        return None
+    spec, passed = bound
+    return (spec, tuple(kwargs), values, kinds, torch._C._cuda_getDevice()), passed
 
 
 class CachedLaunch:
@@ -112,8 +135,9 @@ class CachedLaunch:
         self._params = kernel.params  # Triton's own view of the signature: names, defaults, constexprs
         # positional arguments a key may hold: those before the first constexpr parameter
         self._positional = next((p.num for p in self._params if p.is_constexpr), len(self._params))
-        # (positional specialisation, keywords, device) -> (compiled kernel, the remaining parameters' values)
-        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        # (positional specialisation, keywords, device) -> (what to call, the arguments it takes before the
+        # kernel's, the values of the parameters after the positional ones): see _launcher
+        self._compiled: dict[tuple[Any, ...], tuple[Callable[..., Any], tuple[Any, ...], tuple[Any, ...]]] = {}
         #: launches that went through Triton's binder (first launches under a key, and those it cannot key)
         self.through_triton = 0
 
@@ -125,21 +149,19 @@ class CachedLaunch:
 
     def _launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         keyed = _on() and len(args) <= self._positional and not callable(grid)
-        key = _key(args, kwargs) if keyed else None
-        hit = None if key is None else self._compiled.get(key)
+        bound = _keyed(args, kwargs) if keyed else None
+        hit = None if bound is None else self._compiled.get(bound[0])
         if hit is None or _instrumented():
             self.through_triton += 1
             compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None and compiled is not None and len(self._compiled) < _MOST_KEYS and not _instrumented():
-                self._compiled[key] = (compiled, self._rest(len(args), kwargs))
+            if bound is not None and compiled is not None and len(self._compiled) < _MOST_KEYS and not _instrumented():
+                self._compiled[bound[0]] = (*_launcher(compiled), self._rest(len(args), kwargs))
             return
-        compiled, rest = hit
-        stream = torch._C._cuda_getCurrentRawStream(key[-1])
+        launcher, head, rest = hit
+        stream = torch._C._cuda_getCurrentRawStream(bound[0][-1])
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        compiled.run(
-            grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *rest
-        )
+        launcher(grid[0], g1, g2, stream, *head, *bound[1], *rest)
 
     def _rest(self, given: int, kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The values of the parameters after the ``given`` positional ones, as Triton binds them (keywords,
@@ -167,13 +189,33 @@ def _on() -> bool:
 def _instrumented() -> bool:
     """Whether Triton instruments launches now: a launch hook set (a profiler's), which Triton calls; debug mode or
     an instrumentation mode, which Triton keys its compiled kernels on (each compiles another kernel)."""
-    knobs = triton.knobs
-    hooked = any(_set(h) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
-    return hooked or bool(knobs.runtime.debug) or bool(knobs.compilation.instrumentation_mode)
+    runtime = triton.knobs.runtime  # attribute reads only: this runs on every launch
+    return (
+        _set(runtime.launch_enter_hook)
+        or _set(runtime.launch_exit_hook)
+        or bool(runtime.debug)
+        or bool(triton.knobs.compilation.instrumentation_mode)
+    )
 
 
 def _set(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))  # Triton 3.6 keeps a chain, empty when unset
+
+
+def _launcher(compiled: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """What a repeat launch of ``compiled`` calls, and the arguments it takes between the stream and the kernel's.
+
+    Triton 3.6's ``CompiledKernel.run`` (a ``CudaLauncher``) allocates the kernel's scratch memory if it has any,
+    then calls its C launcher with the cooperative-grid and PDL flags, the scratch buffers, the packed metadata,
+    no launch metadata and no hooks (none is set: see :func:`_instrumented`). A kernel without scratch memory
+    skips that Python frame and calls the C launcher itself, with what ``CudaLauncher`` would pass.
+    """
+    run = compiled.run
+    direct = getattr(run, "launch", None)
+    if direct is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return run, (compiled.function, compiled.packed_metadata, None, None, None)
+    flags = (run.launch_cooperative_grid, run.launch_pdl)
+    return direct, (compiled.function, *flags, None, None, compiled.packed_metadata, None, None, None)
 
 
 def cached_launch(kernel: JITFunction) -> CachedLaunch | JITFunction:
