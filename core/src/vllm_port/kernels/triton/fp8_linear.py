@@ -9,9 +9,8 @@ product must be scaled before it joins the others), adds the bias and rounds onc
 
 Decode (rows up to ``target.fp8_skinny_rows``) takes the target's skinny tiles, rows padded to 16 (the
 dot's minimum), and splits ``K`` across programs until the device is full, like ``linear``'s split-K
-kernel and with its reduction: float32 partials, and the last split of an output tile to arrive adds
-them in split order, with the bias (no third launch), so results are the same run to run. Prefill takes
-the wide tiles.
+kernel: float32 partials that ``linear``'s reduction kernel adds in a fixed order, with the bias, so
+results are the same run to run. Prefill takes the wide tiles.
 
 One row (batch-1 decode) with a per-tensor or per-channel scale takes ``linear``'s one-row kernel
 instead, where the target gives it tiles (``fp8_one_row``): one launch, the e4m3 weight widened to
@@ -37,7 +36,7 @@ from ...ops import BindContext
 from ...ops.fp8 import FP8_GROUP, FP8_MAX, check_fp8_linear, fp8_linear_reference, scale_granularity
 from ..triton_target import MatmulTiles, TritonTarget
 from .launch import cached_launch, cdiv, next_power_of_2
-from .linear import ARRIVAL_COUNTS, LinearKernels, arrival_counts
+from .linear import LinearKernels
 
 __all__ = ["Fp8LinearKernels", "to_e4m3"]
 
@@ -48,6 +47,34 @@ _MIN_TILES_PER_SPLIT = 2
 _INTERPRETER_SMS = 4
 #: How the weight scale is laid out (constexpr of the matmul kernel).
 _PER_TENSOR, _PER_CHANNEL, _PER_GROUP = 0, 1, 2
+
+
+#: Outputs per program of the split reduction kernel.
+_REDUCE_BLOCK = 1024
+
+
+@cached_launch
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [M, N], x's dtype, contiguous
+    part_ptr,  # [SPLIT_K, M, N] float32
+    b_ptr,
+    total,  # M * N
+    N,
+    split_k,
+    stride_b,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``out = sum(partials over splits, in split order) + bias``, rounded once to out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + (offs % N) * stride_b, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc, mask=mask)
 
 
 @triton.jit
@@ -98,9 +125,7 @@ def _quantize_rows_kernel(
 @cached_launch
 @triton.jit(do_not_specialize=["M"])
 def _fp8_matmul_kernel(
-    out_ptr,  # [M, N] x's dtype, contiguous
-    part_ptr,  # [SPLIT_K, M, N] float32 partial sums (SPLIT only)
-    count_ptr,  # [>= tiles] int32 arrivals per output tile, 0 between calls (SPLIT only)
+    out_ptr,  # [M, N] x's dtype; with SPLIT float32 partials [SPLIT_K, M, N]
     q_ptr,  # [M, K] e4m3, contiguous (the quantised activations)
     xs_ptr,  # [M] float32 row scales
     w_ptr,  # [N, K] e4m3, any strides
@@ -110,7 +135,6 @@ def _fp8_matmul_kernel(
     N,
     K,
     k_per_split,  # input features per split, a multiple of BLOCK_K
-    split_k,  # programs sharing one output tile's reduction
     groups,  # G, columns of a per-group scale
     stride_wn,
     stride_wk,
@@ -158,19 +182,8 @@ def _fp8_matmul_kernel(
         acc *= tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    if SPLIT:  # as linear's split-K kernel: the last split of the tile to arrive adds them all, in split order
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + offsets, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partials written before the arrival publishes them
-        tile = pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(split_k):
-                acc += tl.load(part_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offsets, acc, mask=mask)  # rounded once, to out's dtype
-            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
+    if SPLIT:
+        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + offsets, acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -245,16 +258,13 @@ class Fp8LinearKernels:
             split_k = _splits(grid_m * grid_n, k_tiles, compute_units(x.device, _INTERPRETER_SMS), waves)
         tiles_per_split = cdiv(k_tiles, split_k)
         split_k = cdiv(k_tiles, tiles_per_split)
-        counts = arrival_counts(x.device) if split_k > 1 and grid_m * grid_n <= ARRIVAL_COUNTS else None
-        if counts is None:  # no split, or no counts to reduce splits with (a capture before the first split call)
-            split_k, tiles_per_split = 1, k_tiles
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+        dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
         scales = weight_scale.reshape(-1) if scale_kind != _PER_GROUP else weight_scale.contiguous()
         bias_arg = bias if bias is not None else xs
         _fp8_matmul_kernel[(grid_m, grid_n, split_k)](
-            out, partials, counts if counts is not None else out, q, xs, weight, scales, bias_arg,
-            m, n, k, tiles_per_split * block_k, split_k, weight_scale.shape[-1] if scale_kind == _PER_GROUP else 1,
+            dest, q, xs, weight, scales, bias_arg,
+            m, n, k, tiles_per_split * block_k, weight_scale.shape[-1] if scale_kind == _PER_GROUP else 1,
             weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
             BLOCK_M=block_m,
             BLOCK_N=tiles.block_n,
@@ -268,4 +278,12 @@ class Fp8LinearKernels:
             num_warps=tiles.warps,
             num_stages=tiles.stages,
         )  # fmt: skip
+        if split_k > 1:
+            _reduce_splits_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
+                out, dest, bias_arg, m * n, n, split_k,
+                bias.stride(0) if bias is not None else 0,
+                HAS_BIAS=bias is not None,
+                BLOCK=_REDUCE_BLOCK,
+                num_warps=4,
+            )  # fmt: skip
         return out

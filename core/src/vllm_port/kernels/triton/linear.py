@@ -44,7 +44,7 @@ _MIN_TILES_PER_SPLIT = 2
 _MAX_SPLITS = 32
 #: Blocks of outputs one device's arrival counts cover (256 KiB of int32); more blocks than this never
 #: split (``_splits`` splits only below ``waves x multiprocessors`` blocks, far fewer).
-ARRIVAL_COUNTS = 1 << 16
+_COUNTS = 1 << 16
 #: ``tl.dot``'s smallest operand edge.
 _DOT_MIN = 16
 #: Multiprocessors the CPU interpreter pretends to have, so that small test shapes split the reduction.
@@ -183,17 +183,17 @@ def _splits(n_blocks: int, k_tiles: int, num_sms: int, waves: int) -> tuple[int,
 _arrival_counts: dict[torch.device, torch.Tensor] = {}
 
 
-def arrival_counts(device: torch.device) -> torch.Tensor | None:
+def _counts_for(device: torch.device) -> torch.Tensor | None:
     """The device's arrival counts (zeros between calls: the last split of a block resets its count), or
     None while a CUDA graph is being captured before the device's first split call: a buffer made then
     would be zeroed only when the graph replays. Calls on one device share them, so splits must not run
-    on two streams of a device at once (an engine's forward runs on one). ``fp8_linear``'s splits share them.
+    on two streams of a device at once (an engine's forward runs on one).
     """
     counts = _arrival_counts.get(device)
     if counts is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        counts = _arrival_counts[device] = torch.zeros(ARRIVAL_COUNTS, dtype=torch.int32, device=device)
+        counts = _arrival_counts[device] = torch.zeros(_COUNTS, dtype=torch.int32, device=device)
     return counts
 
 
@@ -274,7 +274,7 @@ class LinearKernels:
         else:
             tiles_per_split = cdiv(k_tiles, split_k)
             split_k = cdiv(k_tiles, tiles_per_split)
-        counts = arrival_counts(x.device) if split_k > 1 and n_blocks <= ARRIVAL_COUNTS else None
+        counts = _counts_for(x.device) if split_k > 1 and n_blocks <= _COUNTS else None
         if counts is None:  # no split, or no counts to reduce splits with
             split_k, tiles_per_split = 1, k_tiles
         split = split_k > 1
