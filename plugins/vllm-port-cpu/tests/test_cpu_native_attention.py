@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_port.errors import OpInputError
-from vllm_port.ops import ALL_OPS, BindContext, OpRegistry, paged_attention, prefill_attention
+from vllm_port.ops import ALL_OPS, BindContext, OpRegistry, paged_attention, prefill_attention, reshape_and_cache
 from vllm_port_cpu import native, ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -153,6 +153,51 @@ def test_padded_rows_read_nothing_of_their_stale_block_tables():
     assert paged_attention.check(native.paged_attention.fn, (q, kc, vc, tables, lens, 0.2), torch.bfloat16) is None
 
 
+def _cache_write_args(tokens, dtype, *, heads=2, head_size=64, blocks=6, block_size=16, slots_dtype=torch.int64):
+    """Keys and values as views of one [tokens, q + k + v] projection (a token stride past their rows, as a fused
+    qkv linear leaves them), caches as the halves of one [blocks, 2, ...] buffer (strided), each token its own
+    slot at random, every third a padded token (-1)."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 3 * heads * head_size, generator=gen).to(dtype)
+    key = qkv[:, heads * head_size : 2 * heads * head_size].view(tokens, heads, head_size)
+    value = qkv[:, 2 * heads * head_size :].view(tokens, heads, head_size)
+    kv = torch.randn(blocks, 2, block_size, heads, head_size, generator=gen).to(dtype)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[::3] = -1
+    return key, value, kv[:, 0], kv[:, 1], slots.to(slots_dtype)
+
+
+@needs_kernels
+@by_dtype
+@pytest.mark.parametrize("slots_dtype", [torch.int32, torch.int64], ids=["int32 slots", "int64 slots"])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 64], ids=lambda t: f"{t} tokens")
+def test_the_cache_write_fills_each_slot_in_place_and_nothing_else(dtype, slots_dtype, tokens, monkeypatch):
+    """Strided keys and caches, padded tokens: ``Op.check`` compares every byte of both caches with the reference's."""
+    monkeypatch.setattr(native.attention, "reshape_and_cache", None)  # the kernel must answer
+    args = _cache_write_args(tokens, dtype, slots_dtype=slots_dtype)
+    assert reshape_and_cache.check(native.reshape_and_cache.fn, args, dtype) is None
+    for sample in reshape_and_cache.samples(dtype, torch.device("cpu"), torch.Generator().manual_seed(0)):
+        assert reshape_and_cache.check(native.reshape_and_cache.fn, sample.args, dtype) is None, sample.label
+
+
+@needs_kernels
+def test_a_prefill_sized_cache_write_shared_among_threads_is_the_references():
+    """Past 256 KiB of rows the tokens are split among threads: the same bytes land in the same slots."""
+    args = _cache_write_args(2000, torch.bfloat16, heads=4, head_size=128, blocks=200, block_size=16)
+    assert reshape_and_cache.check(native.reshape_and_cache.fn, args, torch.bfloat16) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("slot", [-2, 96, 10**9])
+def test_a_slot_outside_the_caches_raises_naming_it_before_anything_is_written(slot):
+    key, value, kc, vc, slots = _cache_write_args(5, torch.float32)  # 6 blocks of 16: slots -1 .. 95
+    slots[4] = slot
+    before = kc.clone(), vc.clone()
+    with pytest.raises(OpInputError, match=rf"slot_mapping\[4\] is {slot}, outside \[-1, 96\)"):
+        native.reshape_and_cache.fn(key, value, kc, vc, slots)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
 def _registry() -> OpRegistry:
     registry = OpRegistry(ALL_OPS)
     for p in ops.PROVIDERS:
@@ -162,7 +207,7 @@ def _registry() -> OpRegistry:
 
 def _bound(dtype: torch.dtype) -> dict[str, str]:
     chosen = _registry().bind(BindContext("cpu", "cpu", dtype)).providers
-    return {op: chosen[op].name for op in ("paged_attention", "prefill_attention")}
+    return {op: chosen[op].name for op in ("paged_attention", "prefill_attention", "reshape_and_cache")}
 
 
 @pytest.mark.slow
@@ -173,6 +218,7 @@ def test_builds_once_into_the_cache_directory_and_binds_above_the_torch_provider
     assert _bound(torch.bfloat16) == {
         "paged_attention": "cpu_native_paged_attention",
         "prefill_attention": "cpu_native_prefill_attention",
+        "reshape_and_cache": "cpu_native_reshape_and_cache",
     }
     assert private.stat().st_mode & 0o777 == 0o700
     built = sorted(private.iterdir())
@@ -188,6 +234,7 @@ def test_without_a_compiler_the_torch_providers_serve_and_the_probe_says_why(fre
     assert _bound(torch.float32) == {
         "paged_attention": "cpu_paged_attention",
         "prefill_attention": "cpu_prefill_attention",
+        "reshape_and_cache": "cpu_reshape_and_cache",
     }
     kc, vc, tables, lens = paged_batch([5, 20], torch.float32)
     args = (queries(2, 4, 64, torch.float32), kc, vc, tables, lens, 0.125)
@@ -214,6 +261,7 @@ def test_the_environment_switch_turns_the_kernels_off(fresh_state, monkeypatch, 
     assert _bound(torch.bfloat16) == {
         "paged_attention": "cpu_paged_attention",
         "prefill_attention": "cpu_prefill_attention",
+        "reshape_and_cache": "cpu_reshape_and_cache",
     }
 
 

@@ -31,6 +31,7 @@ def test_one_provider_per_op_each_with_the_reference_signature_and_all_bind_on_c
     assert native_ops == {
         "paged_attention",
         "prefill_attention",
+        "reshape_and_cache",
         "rms_norm",
         "fused_add_rms_norm",
         "rotary_embedding",

@@ -1,7 +1,7 @@
 """Native kernels for the CPU plugin: a small C library built at first use and called through ctypes.
 
-It holds paged attention (here) and fused element-wise kernels (``csrc/elementwise.c``, whose
-providers are in :mod:`.native_elementwise`), built from both sources into one library.
+It holds paged attention and the cache write (here) and fused element-wise kernels (``csrc/elementwise.c``,
+whose providers are in :mod:`.native_elementwise`), built from both sources into one library.
 
 The torch providers (:mod:`.attention`) gather every sequence's K/V blocks into a copy and run
 torch's attention per sequence batch; at decode (one query row, a few hundred keys) the copy and the
@@ -52,11 +52,20 @@ import torch
 from vllm_port.errors import OpInputError, StrictModeError
 from vllm_port.faults import fall_back, read_switch
 from vllm_port.ops import BindContext, provider
-from vllm_port.ops.attention import check_paged_attention, check_prefill_attention
+from vllm_port.ops.attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
 
 from . import attention
 
-__all__ = ["ENV_SWITCH", "available", "check", "library", "paged_attention", "prefill_attention", "status"]
+__all__ = [
+    "ENV_SWITCH",
+    "available",
+    "check",
+    "library",
+    "paged_attention",
+    "prefill_attention",
+    "reshape_and_cache",
+    "status",
+]
 
 #: ``VLLM_PORT_CPU_NATIVE=0`` keeps the native kernels off (the torch providers serve the ops).
 ENV_SWITCH = "VLLM_PORT_CPU_NATIVE"
@@ -79,6 +88,8 @@ status = "not built yet (builds at first use)"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: csrc/native.h's code for a rotary position outside the table (the provider names the position itself)
 ERR_POSITION = 6
+#: csrc/native.h's code for a slot outside the caches (the provider names the token itself)
+ERR_SLOT = 8
 #: csrc/native.h's error codes, as messages
 _ERRORS = {
     1: "this build of the kernel has no float16 support",
@@ -88,6 +99,7 @@ _ERRORS = {
     5: "out of memory for the kernel's scratch buffers",
     ERR_POSITION: "a positions entry is outside [0, max_position) of cos_sin_cache",
     7: "cos_sin_cache's rotary_dim must be even and at most 2048",
+    ERR_SLOT: "a slot_mapping entry is outside [-1, num_blocks * block_size)",
 }
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -307,6 +319,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     rotated = [p, i64, i64, i64]  # tensor, token and head strides, heads
     lib.vp_rotary_embedding.argtypes = [p, i64, i32, i64, *rotated, *rotated, p, i64, i64, i64, i32, i32, i32, i32]
     lib.vp_rms_norm.restype = lib.vp_silu_and_mul.restype = lib.vp_rotary_embedding.restype = i32
+    rows_of = [p, i64, i64]  # key or value: tensor, token and head strides
+    lib.vp_reshape_and_cache.argtypes = [*rows_of, *rows_of, p, p, p, p, i64, i64, i64, i64, p, i64, i32, i64, i64, i32]
+    lib.vp_reshape_and_cache.restype = i32
 
 
 def check() -> tuple[bool, str]:
@@ -500,3 +515,54 @@ def prefill_attention(
     )
     _raise("prefill_attention", code)
     return out
+
+
+@provider("reshape_and_cache", name="cpu_native_reshape_and_cache", priority=NATIVE_PRIORITY, supports=available)
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """One pass that copies each token's rows into its slot, in place (the torch provider: about seven torch calls)."""
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    lib = _library if _loaded else library()
+    if not _covered(lib, key, value, key_cache, value_cache, slot_mapping):
+        return attention.reshape_and_cache.fn(key, value, key_cache, value_cache, slot_mapping)
+    tokens, heads, head_size = key.shape
+    if tokens == 0:
+        return None
+    num_blocks, block_size = key_cache.shape[:2]
+    code = lib.vp_reshape_and_cache(  # type: ignore[union-attr]
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        key_cache.data_ptr(),
+        (ctypes.c_int64 * 3)(*key_cache.stride()[:3]),
+        value_cache.data_ptr(),
+        (ctypes.c_int64 * 3)(*value_cache.stride()[:3]),
+        num_blocks,
+        block_size,
+        heads,
+        head_size,
+        slot_mapping.data_ptr(),
+        slot_mapping.stride(0),
+        int(slot_mapping.dtype == torch.int64),
+        tokens,
+        key.element_size(),
+        torch.get_num_threads(),
+    )
+    if code == ERR_SLOT:  # nothing was written: every slot is checked first
+        capacity = num_blocks * block_size
+        bad = int(((slot_mapping < -1) | (slot_mapping >= capacity)).nonzero()[0, 0])
+        raise OpInputError(
+            f"reshape_and_cache (provider cpu_native_reshape_and_cache): slot_mapping[{bad}] is "
+            f"{int(slot_mapping[bad])}, outside [-1, {capacity}): a slot is -1 (a padded token, not written) or "
+            f"block * block_size + offset within the caches' {num_blocks} blocks of {block_size}"
+        )
+    _raise("reshape_and_cache", code)
+    return None

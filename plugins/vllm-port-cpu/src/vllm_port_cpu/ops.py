@@ -159,7 +159,7 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 #: Every provider of the CPU plugin, in the order of ``vllm_port.ops.ALL_OPS``: one per contract op, and
-#: for the attention, norm, rotary and silu_and_mul ops the native kernels (:mod:`.native`,
+#: for the attention, cache write, norm, rotary and silu_and_mul ops the native kernels (:mod:`.native`,
 #: :mod:`.native_elementwise`) above the torch ones, which serve when the native kernels cannot be
 #: built (docs/results/cpu-elementwise.md has the element-wise kernels' measurements).
 PROVIDERS: list[Provider] = [
@@ -172,6 +172,7 @@ PROVIDERS: list[Provider] = [
     fp8_linear,
     native_elementwise.rotary_embedding,
     rotary_embedding,
+    native.reshape_and_cache,
     attention.reshape_and_cache,
     native.prefill_attention,
     attention.prefill_attention,

@@ -17,6 +17,7 @@ enum {
     ERR_MEMORY = 5,     /* scratch allocation failed */
     ERR_POSITION = 6,   /* a rotary position outside [0, max_position) of cos_sin_cache: nothing written */
     ERR_ROTARY_DIM = 7, /* cos_sin_cache's rotary_dim odd or above what the kernel holds */
+    ERR_SLOT = 8,       /* a slot_mapping entry outside [-1, num_blocks * block_size): nothing written */
 };
 
 #if defined(__FLT16_MAX__)

@@ -1,5 +1,6 @@
 /*
- * Paged attention for the CPU plugin: decode and prefill, reading the paged K/V caches in place.
+ * Paged attention for the CPU plugin: decode and prefill, reading the paged K/V caches in place, and the
+ * cache write (reshape_and_cache) at the end of the file.
  *
  * Built at first use by vllm_port_cpu.native (cc -O3 -march=native -fopenmp -shared -fPIC) and
  * called through ctypes with raw pointers and strides; no Python or torch headers, so it compiles
@@ -752,4 +753,43 @@ int vp_prefill_attention(void *out, const void *query, int64_t q_token_stride, i
     }
     free(first_tile);
     return status;
+}
+
+/*
+ * reshape_and_cache: token t's key and value rows ([heads, head_size] each) into slot slot_mapping[t] of
+ * the caches, block slot / block_size at offset slot % block_size; a slot of -1 is a padded token,
+ * not written. Every slot is checked before anything is written: one outside [-1, num_blocks *
+ * block_size) returns ERR_SLOT with the caches untouched. The cache has the key's dtype (the op's
+ * checks), so rows are copied as bytes: no conversion, any dtype. Strides are in elements: key and
+ * value (token, head), caches (block, offset, head); the last dimension of every tensor is contiguous.
+ * Tokens are shared out among threads when the copy is large (a prefill); two tokens given one slot
+ * leave either's row, which the contract leaves undefined.
+ */
+int vp_reshape_and_cache(const void *key, int64_t k_token_stride, int64_t k_head_stride, const void *value,
+                         int64_t v_token_stride, int64_t v_head_stride, void *key_cache, const int64_t *kc_strides,
+                         void *value_cache, const int64_t *vc_strides, int64_t num_blocks, int64_t block_size,
+                         int64_t heads, int64_t head_size, const void *slot_mapping, int64_t slot_stride,
+                         int slots_64, int64_t tokens, int64_t element_size, int num_threads) {
+    const int64_t capacity = num_blocks * block_size;
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t slot = read_len(slot_mapping, slots_64, t * slot_stride);
+        if (slot < -1 || slot >= capacity) return ERR_SLOT;
+    }
+    const size_t row = (size_t)(head_size * element_size);
+    const char *k = (const char *)key, *v = (const char *)value;
+    char *kc = (char *)key_cache, *vc = (char *)value_cache;
+    const int parallel = tokens * heads * (int64_t)row >= (1 << 18); /* 256 KiB: a team costs more below */
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t slot = read_len(slot_mapping, slots_64, t * slot_stride);
+        if (slot < 0) continue;
+        int64_t block = slot / block_size, offset = slot % block_size;
+        for (int64_t h = 0; h < heads; h++) {
+            memcpy(kc + (block * kc_strides[0] + offset * kc_strides[1] + h * kc_strides[2]) * element_size,
+                   k + (t * k_token_stride + h * k_head_stride) * element_size, row);
+            memcpy(vc + (block * vc_strides[0] + offset * vc_strides[1] + h * vc_strides[2]) * element_size,
+                   v + (t * v_token_stride + h * v_head_stride) * element_size, row);
+        }
+    }
+    return OK;
 }
