@@ -7,6 +7,9 @@ after being preempted (recompute here; swap in ``test_reclaimer_plugins.py``).
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from calling_capture import CallingCapture
 from llm_helpers import assert_pool_empty, hf_greedy, make_llm, prompts, token_ids
@@ -370,6 +373,26 @@ def test_prefill_and_mixed_steps_replay_captured_graphs_as_eager_steps_compute(
     assert any(len(b.sample_rows) < len(b.query_lens) for b in mixed)  # a middle chunk among them
     assert any(1 in b.query_lens for b in mixed)  # decode rows beside a prefill chunk
     assert_pool_empty(llm)
+
+
+def test_a_closed_captured_engine_frees_its_weights_without_the_garbage_collector(
+    llama_model, cpu_runtime, monkeypatch
+):
+    """The captured graphs' replays hold the runner's step, which holds the runner: ``close()`` drops the graphs, so
+    the weights go with the last reference to the engine. Left to the collector, they stayed on the device while
+    a benchmark's next engine loaded beside them, which ran an 80 GiB H100 out of memory."""
+    monkeypatch.setattr(cpu_runtime, "graph_capture", CallingCapture)
+    gc.collect()
+    gc.disable()
+    try:
+        llm = make_llm(llama_model, cpu_runtime, max_num_seqs=4, max_num_batched_tokens=8, block_size=4)
+        assert llm.captured_batch_sizes
+        model = weakref.ref(llm.runner.model)
+        llm.close()
+        del llm
+        assert model() is None, [type(r).__name__ for r in gc.get_referrers(model())]
+    finally:
+        gc.enable()
 
 
 def test_a_prefill_step_reading_more_context_than_its_budget_runs_eagerly(llama_model, cpu_runtime, alone, monkeypatch):

@@ -245,10 +245,16 @@ class ModelRunner:
         return None if self.swap is None else self.swap.pool
 
     def close(self) -> None:
-        """Give the caches' memory back to their allocators."""
+        """Give the caches' memory back to their allocators, and drop the captured graphs.
+
+        The graphs' replays call this runner's step, so runner and graphs hold each other: dropped here, the
+        weights and the graphs' memory pools go with the last reference to the runner, without waiting for
+        the garbage collector (an engine built next in the process would otherwise load beside them).
+        """
         self.kv.close()
         if self.swap is not None:
             self.swap.close()
+        self.decode_graphs = None
 
     def capture_steps(self, max_rows: int, max_model_len: int, max_prefill_tokens: int | None = None) -> list[int]:
         """Capture the step for up to ``max_rows`` rows over contexts up to ``max_model_len``.
