@@ -250,11 +250,10 @@ def build_model(path: str | os.PathLike[str], w: Workload, seed: int = 0, device
 
 
 def _release(device: str) -> None:
-    """Give the memory of a model just built on ``device`` back before the engines of the run allocate theirs.
+    """Give the memory of a model just built on ``device`` back before the run's engines allocate theirs.
 
-    Its modules can hold reference cycles, which only the collector frees; and freed memory stays in the
-    accelerator's caching allocator unless emptied. On an 80 GiB H100, a Llama-3-8B built this way (16 GB)
-    still held made the mixed workload's engine, the run's last, run out of memory while capturing its graphs.
+    Its modules may sit in reference cycles, which only the collector frees; the allocator's cache is then
+    emptied, so the engines start on a device that holds nothing of the builder's (16 GB for Llama-3-8B).
     """
     gc.collect()
     empty_cache = getattr(getattr(torch, torch.device(device).type, None), "empty_cache", None)
