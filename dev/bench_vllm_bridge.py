@@ -56,6 +56,9 @@ def run_peer(python: str, model: Path, prompts: Path, output_len: int, bridged: 
     # CPU seconds of the whole vLLM process tree (its engine core is a child the peer script waits for):
     # on a shared machine they move far less with the load than wall time does; startup included
     result["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    # the kernel's share (page faults, futex waits) and the pages faulted in: steadier still than wall time
+    result["sys_cpu_s"] = after.ru_stime - before.ru_stime
+    result["minor_faults"] = after.ru_minflt - before.ru_minflt
     return result
 
 
@@ -68,8 +71,9 @@ def render(result: dict[str, Any]) -> str:
         "over the whole greedy `generate`, TTFT = wall time of the batch with one output token; load "
         "average (1 min) before each run.",
         "",
-        "| model | run | vLLM alone tok/s | bridge tok/s | ratio | alone TTFT s | bridge TTFT s | CPU s (alone, bridge) | load before (alone, bridge) | first ids equal |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | run | vLLM alone tok/s | bridge tok/s | ratio | alone TTFT s | bridge TTFT s | CPU s (alone, bridge) | "
+        "sys CPU s | minor faults (k) | load before (alone, bridge) | first ids equal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, runs in result["models"].items():
         for i, r in enumerate(runs):
@@ -78,11 +82,13 @@ def render(result: dict[str, Any]) -> str:
                 f"| {name} | {i + 1} | {a['output_tok_s']:.1f} | {b['output_tok_s']:.1f} | "
                 f"{b['output_tok_s'] / a['output_tok_s']:.3f} | {a['ttft_batch_s']:.2f} | {b['ttft_batch_s']:.2f} | "
                 f"{a.get('cpu_s', float('nan')):.0f}, {b.get('cpu_s', float('nan')):.0f} | "
+                f"{a.get('sys_cpu_s', float('nan')):.1f}, {b.get('sys_cpu_s', float('nan')):.1f} | "
+                f"{a.get('minor_faults', 0) / 1e3:.0f}, {b.get('minor_faults', 0) / 1e3:.0f} | "
                 f"{a['load_before'][0]:.2f}, {b['load_before'][0]:.2f} | {a['token_ids_head'] == b['token_ids_head']} |"
             )
         ratios = [r["bridge"]["output_tok_s"] / r["alone"]["output_tok_s"] for r in runs]
         lines.append(
-            f"| {name} | best of each | | | {max(r['bridge']['output_tok_s'] for r in runs) / max(r['alone']['output_tok_s'] for r in runs):.3f} | | | | |"
+            f"| {name} | best of each | | | {max(r['bridge']['output_tok_s'] for r in runs) / max(r['alone']['output_tok_s'] for r in runs):.3f} | | | | | | | |"
         )
         result.setdefault("ratios", {})[name] = ratios
     return "\n".join(lines) + "\n"

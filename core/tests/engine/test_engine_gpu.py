@@ -116,6 +116,43 @@ def test_prefill_and_mixed_steps_replay_captured_graphs_on_the_device_as_the_cpu
     assert kinds["prefill replayed"] > 0 and kinds["decode replayed"] > 0 and kinds["eager"] == 0, kinds
 
 
+@pytest.mark.parametrize("replay_prefill", [False, True], ids=["decode-replayed", "all-replayed"])
+def test_a_closed_captured_engine_gives_its_device_memory_back_without_the_collector(
+    setup, device_runtime, replay_prefill
+):
+    """After ``close()`` and the last reference, the weights, the KV cache and the graphs' memory pool are gone
+    with the collector off: a benchmark's next engine (``vllm-port bench engine``) starts on an empty device.
+    On failure the message lists what still holds the model."""
+    import gc
+    import weakref
+
+    if not device_runtime.platform.graph_capture:
+        pytest.skip(f"platform {device_runtime.platform.name!r} has no graph capture")
+    model_dir, batch, params, want = setup
+    device = torch.device(device_runtime.platform.device_type)
+    torch.accelerator.synchronize()
+    gc.collect()
+    before = torch.accelerator.memory_allocated()
+    gc.disable()
+    try:
+        llm = LLM(str(model_dir), device=device_runtime, kv_cache_memory=8 << 20, max_num_batched_tokens=32)
+        llm.runner.replay_prefill = replay_prefill
+        assert llm.captured_batch_sizes
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == want
+        model = weakref.ref(llm.runner.model)
+        held = torch.accelerator.memory_allocated() - before
+        llm.close()
+        del llm
+        torch.accelerator.synchronize()
+        left = torch.accelerator.memory_allocated() - before
+        holders = [type(r).__name__ for r in gc.get_referrers(model())] if model() is not None else []
+        assert model() is None and left == 0, (
+            f"{left:,} of the engine's {held:,} bytes on {device} still allocated; the model held by {holders}"
+        )
+    finally:
+        gc.enable()
+
+
 def test_device_preemption_by_swap_keeps_greedy_output(setup, device_runtime):
     if "pinned_host" not in device_runtime.platform.memory_tiers:
         pytest.skip(f"platform {device_runtime.platform.name!r} has no pinned host tier")

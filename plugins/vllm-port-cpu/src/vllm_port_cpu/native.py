@@ -54,7 +54,7 @@ from vllm_port.faults import fall_back, read_switch
 from vllm_port.ops import BindContext, provider
 from vllm_port.ops.attention import check_paged_attention, check_prefill_attention, check_reshape_and_cache
 
-from . import attention
+from . import attention, host_malloc
 
 __all__ = [
     "ENV_SWITCH",
@@ -383,7 +383,12 @@ def library() -> ctypes.CDLL | None:
 
 
 def available(ctx: BindContext | None = None) -> bool:
-    """The support predicate: the kernels are on, built and loaded, and cover ``ctx``'s dtype."""
+    """The support predicate: the kernels are on, built and loaded, and cover ``ctx``'s dtype.
+
+    Asked whenever the CPU platform's ops are bound, the kernels on or off, so it is also where the process's
+    malloc is told to keep freed buffers for the next outputs (:mod:`.host_malloc`).
+    """
+    host_malloc.keep_freed_buffers()
     lib = library()
     if lib is None:
         return False

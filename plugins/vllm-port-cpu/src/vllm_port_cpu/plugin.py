@@ -14,7 +14,7 @@ from vllm_port.faults import SWITCH_VALUES, Setting
 from vllm_port.memory import Allocator, HostMemoryAllocator
 from vllm_port.ops import Provider
 
-from . import native, ops
+from . import host_malloc, native, ops
 from .platform import describe, probe
 
 #: the platform these hooks serve (``describe().name``); a hook asked about another answers ``None``
@@ -49,7 +49,12 @@ def vllm_port_allocator(platform: PlatformDescription) -> Allocator | None:
 @hookimpl
 def vllm_port_settings() -> Mapping[str, Setting]:
     """The CPU plugin's own settings: core checks their values, and strict mode any other VLLM_PORT_CPU_* name."""
-    return {native.ENV_SWITCH: Setting("0 keeps the native C kernels off, the torch providers serving", SWITCH_VALUES)}
+    return {
+        native.ENV_SWITCH: Setting("0 keeps the native C kernels off, the torch providers serving", SWITCH_VALUES),
+        host_malloc.ENV_SWITCH: Setting(
+            "0 leaves glibc's malloc thresholds as they are (see host_malloc)", SWITCH_VALUES
+        ),
+    }
 
 
 def host_allocator(meminfo_path: str = "/proc/meminfo") -> HostMemoryAllocator:
