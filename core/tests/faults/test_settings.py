@@ -89,12 +89,12 @@ def test_the_cpu_plugins_switch_is_checked_in_every_mode(monkeypatch, strict):
     assert "accepted: '1', '0', 'true', 'false', 'yes', 'no', 'on', 'off', ''" in message
 
 
-def test_the_cpu_plugin_declares_its_switch_and_reads_it_strictly(monkeypatch):
+def test_the_cpu_plugin_declares_its_switches_and_reads_them_strictly(monkeypatch):
     from vllm_port_cpu import native
 
     found = discover(plugins="cpu")
     (cpu,) = [r for r in found.plugins if r.name == "cpu"]
-    assert set(cpu.settings) == {"VLLM_PORT_CPU_NATIVE"}
+    assert set(cpu.settings) == {"VLLM_PORT_CPU_NATIVE", "VLLM_PORT_CPU_MALLOC"}
     monkeypatch.setenv("VLLM_PORT_CPU_NATIVE", "0")
     assert native._disabled() and discover(plugins="cpu", strict=True).platforms()
     monkeypatch.setenv("VLLM_PORT_CPU_NATIVE", "maybe")
