@@ -4,7 +4,8 @@ The mechanism is seen in a fresh process (malloc's parameters are the process's)
 first 4 MiB buffer with an ``mmap`` of its own (its default threshold is 128 KiB), and one asked for
 after the CPU ops are bound from the heap, where a freed buffer serves the next one instead of being
 unmapped and faulted in again. What that saves is measured in docs/results/bridge-cpu.md. The cases that
-leave malloc alone (the switch off, malloc settings in the environment) are checked on the decision alone.
+leave malloc alone (the switch off, malloc settings in the environment) are checked on the decision alone;
+``core/tests/faults/test_settings.py`` checks that the plugin declares the switch.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def test_the_switch_off_leaves_malloc_as_it_was():
 
 
 def test_malloc_parameters_from_the_environment_are_the_users_choice(monkeypatch):
-    monkeypatch.delenv(host_malloc.ENV_SWITCH, raising=False)
+    for name in [host_malloc.ENV_SWITCH, "GLIBC_TUNABLES", *(n for n in os.environ if n.startswith("MALLOC_"))]:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # not a threshold: no reason to stay away
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     assert host_malloc._apply() == "off: the environment sets MALLOC_TRIM_THRESHOLD_"
@@ -85,9 +87,3 @@ def test_a_switch_value_that_is_no_switch_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv(host_malloc.ENV_SWITCH, "sometimes")
     with pytest.raises(SelectionError, match="VLLM_PORT_CPU_MALLOC='sometimes' is not a switch"):
         host_malloc._apply()
-
-
-def test_the_plugin_declares_the_switch_so_strict_mode_accepts_it():
-    from vllm_port_cpu import plugin
-
-    assert host_malloc.ENV_SWITCH in plugin.vllm_port_settings()
