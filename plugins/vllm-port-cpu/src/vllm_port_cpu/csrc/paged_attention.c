@@ -14,7 +14,7 @@
  * row is read and widened to float32 once for all of them, with software prefetch ahead of the
  * scattered rows. Keys are visited in chunks of 64 with an online softmax in float32: scores of a
  * chunk for all query rows, the chunk's maximum, one rescale of the partial sums, then the
- * probability-weighted V rows. Decode's few rows take one dot product per (row, key); a prefill
+ * probability-weighted V rows. Decode's few rows take their scores 16 keys to a vector; a prefill
  * tile lays its rows across vector lanes (the query transposed), so scores need no horizontal sums.
  * Only the slots a query may see are read: a padded sequence (seq_len 0) reads nothing, not even
  * its block-table row, and its rows are written as exact zeros.
@@ -131,6 +131,38 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
+
+#ifdef __AVX512F__
+/* q . keys[j] for the 16 keys j < 16, in the lanes of one vector (n a multiple of 16). Each key's
+ * products sum into a vector of its own; a transposing tree then adds the 16 vectors lane-wise in
+ * 45 shuffles and adds, where a reduction per key (dot above) costs 16 dependent chains. A decode
+ * row of a KV-head group of 3 spent most of its time in those chains (issue 30). */
+static inline __m512 dot16(const float *q, const float *const *keys, int64_t n) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 qi = _mm512_loadu_ps(q + i);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[j] + i), acc[j]);
+    }
+    /* keys 2m, 2m+1 (a, b): [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane */
+    __m512 pairs[8];
+    for (int m = 0; m < 8; m++)
+        pairs[m] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * m], acc[2 * m + 1]),
+                                 _mm512_unpackhi_ps(acc[2 * m], acc[2 * m + 1]));
+    /* keys 4m..4m+3: each 128-bit lane holds the sums of its four elements, one a key */
+    __m512 quads[4];
+    for (int m = 0; m < 4; m++) {
+        const __m512d lo = _mm512_castps_pd(pairs[2 * m]), hi = _mm512_castps_pd(pairs[2 * m + 1]);
+        quads[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    /* the four 128-bit lanes added: 0x88 takes lanes 0 and 2 of each operand, 0xdd lanes 1 and 3 */
+    const __m512 first = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                       _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 second = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                        _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(first, second, 0x88), _mm512_shuffle_f32x4(first, second, 0xdd));
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * exp and tanh for x <= 0, vectorisable: exp(x) = 2^n * exp(r), r = x - n ln2, |r| <= ln2 / 2.
@@ -305,7 +337,8 @@ static inline __attribute__((always_inline)) void weighted_block(float *acc, con
         }
 }
 
-/* weighted_block over any number of rows that see the same keys, four at a time. */
+/* weighted_block over any number of rows that see the same keys, four at a time; three left (a group
+ * of 3, as 12 query heads over 4 KV heads make) in one pass, so each V row is read once for them. */
 static void weighted_rows(float *acc, const float *p, int64_t pt, int64_t pr, const float *const *v, int64_t n,
                           int64_t d, int64_t rows) {
     int64_t j = 0;
@@ -339,8 +372,14 @@ static void chunk_by_rows(const cache_t *c, const scratch_t *s, int64_t tokens, 
             const int64_t r = qi * group + g;
             float *sc = s->scores + r * KEY_CHUNK, chunk_max = -INFINITY;
             const float *q = s->q + r * d;
-            for (int64_t t = lo; t < hi; t++) {
-                float score = dot(q, s->key_rows[t], d);
+            int64_t t = lo;
+#ifdef __AVX512F__
+            if ((d & 15) == 0)
+                for (; t + 16 <= hi; t += 16) _mm512_storeu_ps(sc + t, dot16(q, s->key_rows + t, d));
+#endif
+            for (; t < hi; t++) sc[t] = dot(q, s->key_rows[t], d);
+            for (t = lo; t < hi; t++) {
+                float score = sc[t];
                 if (c->soft_cap > 0.0f) score = soft_capped(score, c->soft_cap);
                 sc[t] = score;
                 chunk_max = score > chunk_max ? score : chunk_max;
