@@ -337,8 +337,7 @@ static inline __attribute__((always_inline)) void weighted_block(float *acc, con
         }
 }
 
-/* weighted_block over any number of rows that see the same keys, four at a time; three left (a group
- * of 3, as 12 query heads over 4 KV heads make) in one pass, so each V row is read once for them. */
+/* weighted_block over any number of rows that see the same keys, four at a time. */
 static void weighted_rows(float *acc, const float *p, int64_t pt, int64_t pr, const float *const *v, int64_t n,
                           int64_t d, int64_t rows) {
     int64_t j = 0;
