@@ -1,8 +1,9 @@
 """Time the CPU plugin's attention providers: the native kernel against the torch one, at the engine's shapes.
 
-    .venv/bin/python dev/experiments/bench_cpu_attention.py [--threads 2] [--repeat 5] [--cpu-time]
+    .venv/bin/python dev/experiments/bench_cpu_attention.py [--threads 2] [--repeat 5] [--cpu-time] \
+        [--heads 8 --kv-heads 4] [--dtypes bfloat16,float32]
 
-Decode: ``bench engine``'s model and workload (64 sequences, 8 heads over 4 KV heads, head 64,
+Decode: ``bench engine``'s model and workload (64 sequences, 8 heads over 4 KV heads unless told, head 64,
 block 16, contexts drawn from 128..256, as the decode steps of 128 prompt + 128 output tokens see
 them). Prefill: 16 sequences of 128 new tokens (one 2,048-token chunk of the engine's default
 ``max_num_batched_tokens``), and a chunked prefill of 64 new tokens after a 192-token cached prefix.
@@ -81,11 +82,16 @@ def compare(label: str, op, torch_fn, native_fn, calls: list[tuple], dtype: torc
 
 
 def main() -> None:
+    global HEADS, KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--cpu-time", action="store_true", help="with --threads 1: time this thread's CPU time")
+    parser.add_argument("--heads", type=int, default=HEADS, help="query heads (12 with --kv-heads 4: the 768 model)")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
     args = parser.parse_args()
+    HEADS, KV_HEADS = args.heads, args.kv_heads
     torch.set_num_threads(args.threads)
     if args.cpu_time:
         if args.threads != 1:
@@ -95,10 +101,10 @@ def main() -> None:
     if not native.available():
         raise SystemExit(f"native kernels unavailable: {native.status}")
     clock = "thread CPU time" if args.cpu_time else "wall time"
-    print(f"torch threads {torch.get_num_threads()}, {clock}; native: {native.status}")
+    print(f"torch threads {torch.get_num_threads()}, {clock}; {HEADS}:{KV_HEADS} heads; native: {native.status}")
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_SIZE**-0.5
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         lens = torch.randint(128, 257, (64,), generator=gen).tolist()
         layers, tables, seq_lens = caches(lens, dtype, gen)
         q = torch.randn(64, HEADS, HEAD_SIZE, generator=gen).to(dtype)

@@ -67,7 +67,13 @@ def test_decode_matches_the_float64_reference(dtype, heads, kv_heads, window, ca
 
 @needs_kernels
 @by_dtype
-@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (8, 2), (8, 1)], ids=["gqa 1", "gqa 4", "gqa 8"])
+# a tile's rows (its tokens x the group) lie across 16 * k vector lanes, taken in slabs of 64, 32 and 16:
+# groups 3 and 7 make tiles of 48 and 112 lanes (32 + 16 and 64 + 32 + 16)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"),
+    [(2, 2), (8, 2), (8, 1), (6, 2), (7, 1)],
+    ids=["gqa 1", "gqa 4", "gqa 8", "gqa 3", "gqa 7"],
+)
 @pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (9, 0.0), (0, 5.0)], ids=["plain", "window", "cap"])
 def test_prefill_matches_the_float64_reference(dtype, heads, kv_heads, window, cap):
     # new tokens after cached prefixes (chunked prefill), tiles of 16 queries cut mid-sequence, a padded

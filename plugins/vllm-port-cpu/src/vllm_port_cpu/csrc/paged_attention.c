@@ -435,25 +435,34 @@ static inline __attribute__((always_inline)) void score_block(const float *qt, c
 }
 #endif
 
-/* scores[t * lanes + r] = sum_i qt[i * lanes + r] * k_t[i] for every key of the chunk: rows across vector lanes. */
+/*
+ * scores[t * lanes + r] = sum_i qt[i * lanes + r] * k_t[i] for every key of the chunk: rows across vector lanes.
+ * The lanes (a multiple of 16) go in slabs of 64, then one of 32 and one of 16, each with as many keys at a
+ * time as keep 8 accumulators busy: a tile of 48 rows (16 tokens of a group of 3 query heads) is a slab of
+ * 32 and one of 16, not 48 lanes one key at a time. Every score sums over i in order, whatever the slab.
+ */
 static void scores_by_lanes(const float *qt, const float *const *keys, float *scores, int64_t n, int64_t d,
                             int64_t lanes) {
-    int64_t t = 0;
 #ifdef __AVX512F__
-    if (lanes == 16)
-        for (; t + 8 <= n; t += 8) score_block(qt, keys, scores, d, lanes, t, 0, 8, 1);
-    else if (lanes == 32)
-        for (; t + 4 <= n; t += 4) score_block(qt, keys, scores, d, lanes, t, 0, 4, 2);
-    else if (lanes % 64 == 0)
-        for (; t + 2 <= n; t += 2)
-            for (int64_t r0 = 0; r0 < lanes; r0 += 64) score_block(qt, keys, scores, d, lanes, t, r0, 2, 4);
-    else if (lanes % 32 == 0)
-        for (; t + 4 <= n; t += 4)
-            for (int64_t r0 = 0; r0 < lanes; r0 += 32) score_block(qt, keys, scores, d, lanes, t, r0, 4, 2);
-    for (; t < n; t++) /* the chunk's last few keys (and lane counts of 48, 80, ...) */
-        for (int64_t r0 = 0; r0 < lanes; r0 += 16) score_block(qt, keys, scores, d, lanes, t, r0, 1, 1);
+    if ((lanes & 15) == 0) {
+        int64_t r0 = 0, t;
+        for (; r0 + 64 <= lanes; r0 += 64) {
+            for (t = 0; t + 2 <= n; t += 2) score_block(qt, keys, scores, d, lanes, t, r0, 2, 4);
+            for (; t < n; t++) score_block(qt, keys, scores, d, lanes, t, r0, 1, 4);
+        }
+        if (r0 + 32 <= lanes) {
+            for (t = 0; t + 4 <= n; t += 4) score_block(qt, keys, scores, d, lanes, t, r0, 4, 2);
+            for (; t < n; t++) score_block(qt, keys, scores, d, lanes, t, r0, 1, 2);
+            r0 += 32;
+        }
+        if (r0 < lanes) {
+            for (t = 0; t + 8 <= n; t += 8) score_block(qt, keys, scores, d, lanes, t, r0, 8, 1);
+            for (; t < n; t++) score_block(qt, keys, scores, d, lanes, t, r0, 1, 1);
+        }
+        return;
+    }
 #endif
-    for (; t < n; t++) {
+    for (int64_t t = 0; t < n; t++) {
         const float *k = keys[t];
         float *st = scores + t * lanes;
         for (int64_t r = 0; r < lanes; r++) st[r] = 0.0f;
