@@ -9,10 +9,12 @@ engine benchmark's model (hidden 512) faulted in about 210,000 pages in this pro
 about 25,000 to 190,000 (vLLM alone writes most activations into buffers its compiled graph reuses):
 ``docs/results/bridge-cpu.md``.
 
-:func:`keep_freed_buffers` raises both thresholds once per process (32 MiB for ``mmap``, the most glibc
-accepts; 256 MiB of freed heap kept), as tcmalloc keeps what it frees: a freed buffer serves the next
-one of its size. Buffers above 32 MiB (a long prefill's activations) still come and go through ``mmap``,
-their faults spread over a large computation. The process may keep up to the trim threshold of freed
+:func:`keep_freed_buffers` raises both thresholds once per process (256 MiB for ``mmap``; 256 MiB of freed
+heap kept), as tcmalloc keeps what it frees: a freed buffer serves the next one of its size. That takes in a
+prefill's activations too: a ``silu_and_mul`` of 8,192 tokens by 2,048 in float32 writes 64 MiB, which at a
+32 MiB threshold faulted in 16,384 fresh pages a call (about 25 ms of its 7 ms of work without them;
+``docs/results/bridge-cpu.md``). Older glibc refuses an mmap threshold above 32 MiB on 64 bits (half its heap
+size); there it is 32 MiB, and larger buffers still come and go through ``mmap``. glibc 2.36 takes 256 MiB. The process may keep up to the trim threshold of freed
 memory per heap that it would otherwise give back.
 
 Left alone: a libc that is not glibc, thresholds given in the environment (``MALLOC_MMAP_THRESHOLD_``,
@@ -29,12 +31,21 @@ import threading
 
 from vllm_port.faults import read_switch
 
-__all__ = ["ENV_SWITCH", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_buffers", "status"]
+__all__ = [
+    "ENV_SWITCH",
+    "MMAP_THRESHOLD",
+    "OLDER_GLIBC_MMAP_THRESHOLD",
+    "TRIM_THRESHOLD",
+    "keep_freed_buffers",
+    "status",
+]
 
 #: ``0`` leaves glibc's malloc parameters as they are
 ENV_SWITCH = "VLLM_PORT_CPU_MALLOC"
-#: buffers up to this size come from the heap and are reused once freed (glibc's largest accepted value on 64 bits)
-MMAP_THRESHOLD = 32 << 20
+#: buffers up to this size come from the heap and are reused once freed
+MMAP_THRESHOLD = 256 << 20
+#: the largest mmap threshold older glibc accepts on 64 bits: the threshold where it refuses MMAP_THRESHOLD
+OLDER_GLIBC_MMAP_THRESHOLD = 32 << 20
 #: freed memory a heap keeps at its top before handing it back to the kernel
 TRIM_THRESHOLD = 256 << 20
 #: glibc's environment settings of the same parameters: where one is set, the user has chosen
@@ -72,6 +83,7 @@ def _apply() -> str:
     if mallopt is None:
         return "off: this libc has no mallopt"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+    mmap_threshold = next((t for t in (MMAP_THRESHOLD, OLDER_GLIBC_MMAP_THRESHOLD) if mallopt(_M_MMAP_THRESHOLD, t)), 0)
+    if not (mmap_threshold and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "off: glibc refused the thresholds"
-    return f"on (glibc mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB)"
+    return f"on (glibc mmap threshold {mmap_threshold >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB)"
