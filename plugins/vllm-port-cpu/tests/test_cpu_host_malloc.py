@@ -2,8 +2,8 @@
 
 The mechanism is seen in a fresh process (malloc's parameters are the process's): glibc serves the
 first 4 MiB buffer with an ``mmap`` of its own (its default threshold is 128 KiB), and one asked for
-after the CPU ops are bound from the heap (a 64 MiB one too, where glibc takes a threshold above 32 MiB), where a freed buffer serves the next one instead of being
-unmapped and faulted in again. What that saves is measured in docs/results/bridge-cpu.md. The cases that
+after the CPU ops are bound from the heap, where a freed buffer serves the next one instead of being
+unmapped and faulted in again; a 64 MiB one too where glibc takes a threshold above 32 MiB. What that saves is measured in docs/results/bridge-cpu.md. The cases that
 leave malloc alone (the switch off, malloc settings in the environment) are checked on the decision alone;
 ``core/tests/faults/test_settings.py`` checks that the plugin declares the switch.
 """

@@ -10,12 +10,13 @@ about 25,000 to 190,000 (vLLM alone writes most activations into buffers its com
 ``docs/results/bridge-cpu.md``.
 
 :func:`keep_freed_buffers` raises both thresholds once per process (256 MiB for ``mmap``; 256 MiB of freed
-heap kept), as tcmalloc keeps what it frees: a freed buffer serves the next one of its size. That takes in a
-prefill's activations too: a ``silu_and_mul`` of 8,192 tokens by 2,048 in float32 writes 64 MiB, which at a
-32 MiB threshold faulted in 16,384 fresh pages a call (about 25 ms of its 7 ms of work without them;
-``docs/results/bridge-cpu.md``). Older glibc refuses an mmap threshold above 32 MiB on 64 bits (half its heap
-size); there it is 32 MiB, and larger buffers still come and go through ``mmap``. glibc 2.36 takes 256 MiB. The process may keep up to the trim threshold of freed
-memory per heap that it would otherwise give back.
+heap kept), as tcmalloc keeps what it frees: a freed buffer serves the next one of its size. That takes in
+a prefill's activations too: a ``silu_and_mul`` of 8,192 tokens by 2,048 in float32 writes 64 MiB, which
+at a 32 MiB threshold faulted in 16,384 fresh pages a call, about 25 ms a call for 7 ms of work
+(``docs/results/bridge-cpu.md``). Older glibc refuses an mmap threshold above 32 MiB on 64 bits (half its
+heap size): there the threshold is 32 MiB, and larger buffers still come and go through ``mmap``. glibc
+2.36 takes 256 MiB. The process may keep up to the trim threshold of freed memory per heap that it would
+otherwise give back.
 
 Left alone: a libc that is not glibc, thresholds given in the environment (``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_`` or their ``GLIBC_TUNABLES``: the user's
