@@ -433,6 +433,15 @@ static inline __attribute__((always_inline)) void score_block(const float *qt, c
     for (int kk = 0; kk < KEYS; kk++)
         for (int j = 0; j < REGS; j++) _mm512_storeu_ps(scores + (t0 + kk) * lanes + r0 + 16 * j, acc[kk][j]);
 }
+
+/* Every key's scores for the 16 * REGS rows from r0: KEYS keys at a time, then the chunk's last few one by one. */
+static inline __attribute__((always_inline)) void score_slab(const float *qt, const float *const *keys, float *scores,
+                                                             int64_t n, int64_t d, int64_t lanes, int64_t r0,
+                                                             const int KEYS, const int REGS) {
+    int64_t t = 0;
+    for (; t + KEYS <= n; t += KEYS) score_block(qt, keys, scores, d, lanes, t, r0, KEYS, REGS);
+    for (; t < n; t++) score_block(qt, keys, scores, d, lanes, t, r0, 1, REGS);
+}
 #endif
 
 /*
@@ -445,20 +454,13 @@ static void scores_by_lanes(const float *qt, const float *const *keys, float *sc
                             int64_t lanes) {
 #ifdef __AVX512F__
     if ((lanes & 15) == 0) {
-        int64_t r0 = 0, t;
-        for (; r0 + 64 <= lanes; r0 += 64) {
-            for (t = 0; t + 2 <= n; t += 2) score_block(qt, keys, scores, d, lanes, t, r0, 2, 4);
-            for (; t < n; t++) score_block(qt, keys, scores, d, lanes, t, r0, 1, 4);
-        }
+        int64_t r0 = 0;
+        for (; r0 + 64 <= lanes; r0 += 64) score_slab(qt, keys, scores, n, d, lanes, r0, 2, 4);
         if (r0 + 32 <= lanes) {
-            for (t = 0; t + 4 <= n; t += 4) score_block(qt, keys, scores, d, lanes, t, r0, 4, 2);
-            for (; t < n; t++) score_block(qt, keys, scores, d, lanes, t, r0, 1, 2);
+            score_slab(qt, keys, scores, n, d, lanes, r0, 4, 2);
             r0 += 32;
         }
-        if (r0 < lanes) {
-            for (t = 0; t + 8 <= n; t += 8) score_block(qt, keys, scores, d, lanes, t, r0, 8, 1);
-            for (; t < n; t++) score_block(qt, keys, scores, d, lanes, t, r0, 1, 1);
-        }
+        if (r0 < lanes) score_slab(qt, keys, scores, n, d, lanes, r0, 8, 1);
         return;
     }
 #endif
