@@ -88,6 +88,20 @@ def test_refusals_are_chat_template_errors() -> None:
         mutate.render([{"role": "user", "content": "x"}])
 
 
+def test_text_parts_render_as_their_text_and_other_parts_are_refused() -> None:
+    """A content of parts renders as its text parts joined by newlines (vLLM's rendering for a text model), the
+    same for ``LLM.chat`` and the server; an image part is refused, not written into the prompt as Python."""
+    template = ChatTemplate(CHATML)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "text", "text": "briefly"}]}]
+    assert template.render(parts) == template.render([{"role": "user", "content": "Describe\nbriefly"}])
+    assert template.render([{"role": "user", "content": None}]) == template.render([{"role": "user", "content": ""}])
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    with pytest.raises(
+        ChatTemplateError, match=r"messages\[0\]\.content: only text parts .* got \{'type': 'image_url'"
+    ):
+        template.render([{"role": "user", "content": [{"type": "text", "text": "Describe"}, image]}])
+
+
 def test_llm_chat_renders_tokenizes_and_generates_like_generate(cpu_runtime, tmp_path: Path) -> None:
     from vllm_port import LLM, SamplingParams
 

@@ -140,9 +140,10 @@ def test_stop_strings_and_stop_token_ids(llama_model, cpu_runtime):
     assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]
 
 
-def test_one_decision_per_token_the_length_before_a_stop_string(llama_model, cpu_runtime):
+def test_one_decision_per_token_a_stop_string_before_the_length(llama_model, cpu_runtime):
     """The scheduler decides every stop: when the token completing a stop string is also the last
-    ``max_tokens`` allows, the reason is ``length``; the text is cut before the stop string either way."""
+    ``max_tokens`` allows, the reason is ``stop`` with the string as ``stop_reason`` (as vLLM reports it),
+    since the text is cut before the stop string either way."""
     llm = make_llm(llama_model, cpu_runtime)
     prompt = "The sea was calm"
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
@@ -152,7 +153,7 @@ def test_one_decision_per_token_the_length_before_a_stop_string(llama_model, cpu
     n = len(stopped.token_ids)
     at_length = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop=stop))
     last = at_length[0].outputs[0]
-    assert stopped.finish_reason == "stop" and last.finish_reason == "length"
+    assert stopped.finish_reason == last.finish_reason == "stop" and stopped.stop_reason == last.stop_reason == stop
     assert last.token_ids == stopped.token_ids and last.text == stopped.text == free.text[: free.text.index(stop)]
     assert_pool_empty(llm)
 

@@ -214,6 +214,77 @@ def test_logprobs_are_the_engines(client, llm) -> None:
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4) for t in content)
 
 
+def test_continuous_usage_puts_each_choices_usage_so_far_on_every_chunk(client) -> None:
+    chunks = list(
+        client.completions.create(
+            model="bundled",
+            prompt=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    prompt = chunks[-1].usage.prompt_tokens
+    assert [c.usage.completion_tokens for c in chunks[:-1]] == [1, 2, 3, 4]
+    assert all(
+        c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks
+    )
+    with pytest.raises(openai.BadRequestError) as alone:  # it needs include_usage: nothing would change silently
+        client.completions.create(
+            model="bundled", prompt=PROMPT, max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True}
+        )
+    assert alone.value.body["param"] == "stream_options" and "include_usage" in alone.value.body["message"]
+
+
+def test_streamed_logprobs_text_offsets_go_on_across_chunks(client) -> None:
+    whole = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1)
+    chunks = list(
+        client.completions.create(model="bundled", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1, stream=True)
+    )
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset and offsets == sorted(set(offsets))
+
+
+def test_prompt_logprobs_are_answered_as_vllm_answers_them(client, llm) -> None:
+    offline = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    got = client.completions.create(
+        model="bundled", prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    served = got.choices[0].model_extra["prompt_logprobs"]
+    assert len(served) == len(offline.prompt_token_ids) and served[0] is None
+    for position, want in zip(served[1:], offline.prompt_logprobs[1:], strict=True):
+        assert {int(t): e["logprob"] for t, e in position.items()} == pytest.approx(
+            {t: e.logprob for t, e in want.items()}, abs=1e-5
+        )
+    chat = client.chat.completions.create(
+        model="bundled", messages=MESSAGES, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 1
+    with pytest.raises(openai.BadRequestError) as streamed:  # vLLM refuses them too: the chunks have no place for them
+        client.completions.create(
+            model="bundled", prompt=PROMPT, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert streamed.value.body["param"] == "prompt_logprobs"
+
+
+def test_a_stop_string_at_the_last_allowed_token_is_a_stop_with_its_reason(client) -> None:
+    full = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=16, temperature=0, logprobs=0)
+    tokens = full.choices[0].logprobs.tokens
+    word = tokens[3]  # completed by the fourth token, the last of max_tokens=4
+    assert word.strip() and word not in "".join(tokens[:3]), tokens
+    got = client.completions.create(model="bundled", prompt=PROMPT, max_tokens=4, temperature=0, stop=[word])
+    choice = got.choices[0]
+    assert choice.text == "".join(tokens[:3]) and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == word
+    streamed = list(
+        client.completions.create(model="bundled", prompt=PROMPT, max_tokens=4, temperature=0, stop=[word], stream=True)
+    )
+    assert (
+        streamed[-1].choices[0].finish_reason == "stop" and streamed[-1].choices[0].model_extra["stop_reason"] == word
+    )
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 
@@ -234,6 +305,19 @@ def test_a_bad_parameter_is_a_400_naming_it(client) -> None:
     with pytest.raises(openai.BadRequestError) as role:
         client.chat.completions.create(model="bundled", messages=[{"role": "robot", "content": "beep"}])
     assert role.value.body["param"] == "messages" and "robot" in role.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as top:  # OpenAI's rule, and vLLM's: not silently no logprobs
+        client.chat.completions.create(model="bundled", messages=MESSAGES, max_tokens=2, top_logprobs=3)
+    assert top.value.body["param"] == "top_logprobs" and "logprobs: true" in top.value.body["message"]
+    for zero in ({"max_completion_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": 3}):
+        with pytest.raises(openai.BadRequestError) as none:  # 0 is not "unset": the field sent is the one named
+            client.chat.completions.create(model="bundled", messages=MESSAGES, **zero)
+        assert none.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as tools:  # a real field this server cannot honour: no spelling advice
+        client.chat.completions.create(
+            model="bundled", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
+    assert tools.value.body["param"] == "tools" and "tool calling is not implemented" in tools.value.body["message"]
+    assert "spelling" not in tools.value.body["message"]
 
 
 def test_vllm_extras_pass_through_or_are_refused_by_name(client, llm) -> None:

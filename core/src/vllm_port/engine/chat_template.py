@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import ModelLoadError
 
-__all__ = ["TOKENIZER_CONFIG_FILE", "ChatTemplate", "ChatTemplateError", "Conversation"]
+__all__ = ["TOKENIZER_CONFIG_FILE", "ChatTemplate", "ChatTemplateError", "Conversation", "text_conversation"]
 
 #: The file of a model directory that holds its chat template and special tokens.
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -126,12 +126,12 @@ class ChatTemplate:
         """
         import jinja2
 
-        _check_conversation(messages)
+        messages = text_conversation(messages)
         try:
             compiled = self._compile()
             return str(
                 compiled.render(
-                    messages=list(messages),
+                    messages=messages,
                     add_generation_prompt=add_generation_prompt,
                     **{**self.special_tokens, **extra},
                 )
@@ -145,14 +145,38 @@ class ChatTemplate:
         return self._compiled
 
 
-def _check_conversation(messages: Any) -> None:
+def text_conversation(messages: Any) -> list[dict[str, Any]]:
+    """``messages`` as a text model's template reads them: each ``content`` a string.
+
+    A content of parts (OpenAI's ``[{"type": "text", "text": ...}, ...]``) becomes its text parts joined
+    by newlines, as vLLM renders them for a text-only model; ``None`` becomes ``""``; any other content
+    (text, or a value a template writes with ``tojson``) is passed as it is. A part of another kind (an
+    image, audio) is refused: this engine runs text models, and leaving it out would answer a question
+    the user did not ask.
+
+    :raises ChatTemplateError: naming the message, or the part, that is not what a text model takes.
+    """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages is {messages!r:.80}; give a list of {{'role': ..., 'content': ...}} dicts")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise ChatTemplateError(
                 f"messages[{i}] is {message!r:.80}; each message is a dict with 'role' and 'content'"
             )
+        content = message.get("content")
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            texts = []
+            for part in content:
+                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ChatTemplateError(
+                        f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                        f"got {part!r:.80}"
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        out.append({**message, "content": "" if content is None else content})
+    return out
 
 
 def _raise_exception(message: str) -> None:

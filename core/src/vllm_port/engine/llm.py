@@ -161,6 +161,9 @@ class StreamOutput:
         sample_index: which of the request's ``SamplingParams.n`` samples these tokens belong to.
         logprobs: with ``SamplingParams.logprobs``: one dict per token of ``token_ids``, as in
             :attr:`CompletionOutput.logprobs`.
+        stop_reason: on a sample's last delta, as :attr:`CompletionOutput.stop_reason`.
+        prompt_logprobs: on the last delta of a request's first sample, with
+            ``SamplingParams.prompt_logprobs``: as :attr:`RequestOutput.prompt_logprobs`.
     """
 
     index: int
@@ -171,6 +174,8 @@ class StreamOutput:
     error: str | None = None
     sample_index: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -849,7 +854,12 @@ class LLM:
             if seq.is_finished:
                 text += r.detokenizer.flush()
         r.text.append(text)
-        return r.delta([token], text, r.logprobs[-1:] if seq.params.logprobs is not None else None)
+        delta = r.delta([token], text, r.logprobs[-1:] if seq.params.logprobs is not None else None)
+        if seq.is_finished:
+            delta.stop_reason = self._stop_reason(r)
+            if seq.sample_index == 0 and seq.params.prompt_logprobs is not None:
+                delta.prompt_logprobs = r.prompt_logprobs or None
+        return delta
 
     def _output(self, samples: list[_Submission]) -> RequestOutput:
         """One request's output from its samples (in sample order)."""

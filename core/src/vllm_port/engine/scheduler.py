@@ -35,8 +35,8 @@ While cached blocks can cover a need, only cached blocks are offered to the recl
 is never lost to keep a cache).
 
 Stopping is decided in one place, :meth:`Scheduler.update`, as each sampled token is appended: a
-stop token, then the request's length (``max_tokens``, ``max_model_len``), then a stop string in its
-text. The text is not the scheduler's to read: the request carries a :class:`~.request.StopMatcher`
+stop token or a stop string in its text, then the request's length (``max_tokens``, ``max_model_len``).
+The text is not the scheduler's to read: the request carries a :class:`~.request.StopMatcher`
 (the engine's detokenizer), fed every output token, that answers whether a stop string has appeared.
 Before ``min_tokens`` output tokens only ``max_model_len`` ends a request (the stop tokens are banned
 from the draw meanwhile: :class:`RowProcessing`).
@@ -510,19 +510,21 @@ class Scheduler:
     def _stop_reason(self, seq: Request, token: int) -> str | None:
         """Why ``seq`` ends with ``token``, its newest (``None``: it goes on); the one place stopping is decided.
 
-        A stop token (``"stop"``) first, then the length (``"length"``: ``max_tokens`` or
-        ``max_model_len``), then a stop string in the text (``"stop"``); before ``min_tokens`` tokens,
-        only ``max_model_len``. The stop matcher is fed every
-        token, also one that ends the request otherwise, so the text it decodes stays whole.
+        A stop token or a stop string in the text (``"stop"``) first, then the length (``"length"``:
+        ``max_tokens`` or ``max_model_len``): a token that completes a stop string and is also the last
+        one allowed ends the request with ``"stop"``, as vLLM reports it, since the text is cut at the
+        stop string either way. Before ``min_tokens`` tokens, only ``max_model_len`` ends it. The stop
+        matcher is fed every token, also one that ends the request otherwise, so the text it decodes
+        stays whole.
         """
         in_text = seq.stop_matcher is not None and seq.stop_matcher.feed(token)
         if seq.num_output_tokens < seq.params.min_tokens:  # only the length ends it before min_tokens
             return "length" if seq.num_tokens >= self.config.max_model_len else None
-        if token in seq.stop_token_ids:
+        if token in seq.stop_token_ids or in_text:
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
-        return "stop" if in_text else None
+        return None
 
     # --- blocks ------------------------------------------------------------------------------------
 

@@ -42,6 +42,32 @@ __all__ = ["OpenAIError", "build_app"]
 
 #: Seconds a client told 503 is asked to wait before retrying.
 RETRY_AFTER_S = 1
+_TOOLS = "tool calling is not implemented"
+_STRUCTURED = "structured output (constrained decoding) is not implemented"
+#: OpenAI's and vLLM's request fields this server knows of and cannot honour, with why: refused like a
+#: misspelt field, but not told to check its spelling.
+UNSUPPORTED_FIELDS = {
+    "tools": _TOOLS,
+    "tool_choice": _TOOLS,
+    "parallel_tool_calls": _TOOLS,
+    "functions": _TOOLS,
+    "function_call": _TOOLS,
+    "tool_calls": _TOOLS,
+    "tool_call_id": _TOOLS,
+    "response_format": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "chat_template_kwargs": "a request cannot pass its own values to the chat template",
+    "chat_template": "a request cannot bring its own chat template (start the server with --chat-template FILE)",
+    "documents": "a request cannot pass documents to the chat template",
+    "audio": "audio output is not implemented",
+    "modalities": "only text is generated",
+    "prediction": "predicted outputs are not implemented",
+}
 
 
 class OpenAIError(Exception):
@@ -157,7 +183,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     where = [str(part) for part in error.get("loc", ()) if part != "body"]
     param = where[0] if where else None
     path = ".".join(where) or "the body"
-    if error.get("type") == "extra_forbidden":
+    if error.get("type") == "extra_forbidden" and where and where[-1] in UNSUPPORTED_FIELDS:
+        message = f"{path!r} is not supported by this server: {UNSUPPORTED_FIELDS[where[-1]]}; leave it out"
+    elif error.get("type") == "extra_forbidden":
         message = f"unknown field {path!r}: this server refuses fields it does not know (check the spelling)"
     else:
         message = f"{path}: {error.get('msg')} (got {error.get('input')!r:.80})"
@@ -171,6 +199,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: list[tuple[int, Any]] = field(default_factory=list)
 
 
@@ -221,17 +250,19 @@ class _Server:
         group = await self._submit(prompts, body, max_tokens, "prompt")
         answer = _Answer("cmpl", "text_completion", model, body.n, body.logprobs is not None, self.tokenizer)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(answer.stream(group, usage, _completion_delta))
+            return _sse(answer.stream(group, *_usage_options(body), _completion_delta))
         choices = await answer.gather(group)
+        prompt_logprobs = body.prompt_logprobs is not None
         return JSONResponse(
             answer.envelope(
                 [
                     {
                         "index": i,
                         "text": "".join(c.text),
-                        "logprobs": _completion_logprobs(c.logprobs, self.tokenizer) if answer.logprobs else None,
+                        "logprobs": _whole_logprobs(c.logprobs, self.tokenizer) if answer.logprobs else None,
                         "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        **({"prompt_logprobs": answer.prompt_logprobs(i)} if prompt_logprobs else {}),
                     }
                     for i, c in enumerate(choices)
                 ],
@@ -244,16 +275,16 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest) -> Response:
         model = self._check_model(body.model)
         prompt_ids = self._render(body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.llm.max_model_len - len(prompt_ids))
         group = await self._submit([prompt_ids], body, max_tokens, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         answer = _Answer("chatcmpl", "chat.completion", model, body.n, body.logprobs, self.tokenizer, top)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(answer.stream(group, usage, _chat_delta))
+            return _sse(answer.stream(group, *_usage_options(body), _chat_delta))
         choices = await answer.gather(group)
+        more = {"prompt_logprobs": answer.prompt_logprobs(0)} if body.prompt_logprobs is not None else {}
         return JSONResponse(
             answer.envelope(
                 [
@@ -262,10 +293,12 @@ class _Server:
                         "message": {"role": "assistant", "content": "".join(c.text)},
                         "logprobs": _chat_logprobs(c.logprobs, self.tokenizer, top) if body.logprobs else None,
                         "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
                     }
                     for i, c in enumerate(choices)
                 ],
                 usage=answer.usage(group),
+                **more,
             )
         )
 
@@ -288,6 +321,12 @@ class _Server:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
+def _usage_options(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage_stats)`` of a streamed request's ``stream_options``."""
+    options = body.stream_options
+    return (False, False) if options is None else (options.include_usage, options.continuous_usage_stats)
+
+
 def _prompt_list(prompt: Any) -> list[Any]:
     """``prompt`` as a list of prompts: text, token ids, or a list of either."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -308,6 +347,10 @@ class _Answer:
         self.logprobs, self.tokenizer, self.top = logprobs, tokenizer, top
         self.created = int(time.time())
         self.completion_tokens = 0
+        self.choice_tokens: dict[int, int] = {}  # choice index -> completion tokens so far
+        self.text_offsets: dict[int, int] = {}  # choice index -> characters of its logprobs' tokens so far
+        self.prompt_tokens: list[int] = []  # per prompt, once the group is known
+        self._prompt_logprobs: dict[int, Any] = {}  # prompt index -> the engine's prompt logprobs
 
     def envelope(self, choices: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
         head = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
@@ -324,26 +367,65 @@ class _Answer:
     def choice_index(self, prompt_index: int, delta: StreamOutput) -> int:
         return prompt_index * self.n + getattr(delta, "sample_index", 0)
 
+    def prompt_logprobs(self, choice: int) -> list[dict[str, Any] | None] | None:
+        """The prompt logprobs of ``choice``'s prompt as vLLM answers them: per prompt token (``None`` for the
+        first), token id -> ``{"logprob", "rank", "decoded_token"}``."""
+        found = self._prompt_logprobs.get(choice // self.n)
+        if found is None:
+            return None
+        return [
+            None
+            if position is None
+            else {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in position.items()
+            }
+            for position in found
+        ]
+
+    def _record(self, prompt_index: int, index: int, delta: StreamOutput) -> None:
+        """Count ``delta``'s tokens, and keep its prompt logprobs."""
+        self.completion_tokens += len(delta.token_ids)
+        self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(delta.token_ids)
+        if getattr(delta, "prompt_logprobs", None) is not None:
+            self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
+
+    def running_usage(self, group: RequestGroup, prompt_index: int, index: int) -> dict[str, int]:
+        """The usage so far of one choice (its prompt's tokens and its own): a chunk's continuous usage, as vLLM's."""
+        prompt = len(group.prompt_token_ids[prompt_index])
+        done = self.choice_tokens.get(index, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
     async def gather(self, group: RequestGroup) -> list[_Choice]:
         choices = [_Choice() for _ in range(len(group.request_ids) * self.n)]
         try:
             async for prompt_index, delta in group:
                 if delta.finish_reason == "error":
                     raise OpenAIError(500, str(delta.error), "internal_server_error", None, "engine_error")
-                choice = choices[self.choice_index(prompt_index, delta)]
+                index = self.choice_index(prompt_index, delta)
+                choice = choices[index]
                 choice.text.append(delta.text)
                 choice.token_ids += delta.token_ids
                 choice.logprobs += _token_logprobs(delta)
                 choice.finish_reason = delta.finish_reason or choice.finish_reason
-                self.completion_tokens += len(delta.token_ids)
+                choice.stop_reason = getattr(delta, "stop_reason", None) or choice.stop_reason
+                self._record(prompt_index, index, delta)
         finally:
             await group.aclose()
         return choices
 
     async def stream(
-        self, group: RequestGroup, include_usage: bool, make_choice: Callable[[_Answer, int, StreamOutput, bool], Any]
+        self,
+        group: RequestGroup,
+        include_usage: bool,
+        continuous_usage: bool,
+        make_choice: Callable[[_Answer, int, StreamOutput, bool], Any],
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per delta, the usage chunk when asked, then ``[DONE]``."""
+        """Server-sent events: one chunk per delta, the usage chunk when asked, then ``[DONE]``.
+
+        With ``include_usage`` every chunk has a ``usage`` key, ``null`` but in the last one; with
+        ``continuous_usage`` too, each chunk's is its choice's usage so far (as vLLM's).
+        """
         started: set[int] = set()
         chunk_object = f"{self.object}.chunk" if self.object == "chat.completion" else self.object
         try:
@@ -354,12 +436,12 @@ class _Answer:
                     )
                     continue
                 index = self.choice_index(prompt_index, delta)
-                self.completion_tokens += len(delta.token_ids)
+                self._record(prompt_index, index, delta)
                 choice = make_choice(self, index, delta, index not in started)
                 started.add(index)
                 chunk = {**self.envelope([choice]), "object": chunk_object}
                 if include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = self.running_usage(group, prompt_index, index) if continuous_usage else None
                 yield _event(chunk)
             if include_usage:
                 yield _event({**self.envelope([]), "object": chunk_object, "usage": self.usage(group)})
@@ -369,14 +451,29 @@ class _Answer:
 
 
 def _completion_delta(answer: _Answer, index: int, delta: StreamOutput, first: bool) -> dict[str, Any]:
-    logprobs = _completion_logprobs(_token_logprobs(delta), answer.tokenizer) if answer.logprobs else None
-    return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+    logprobs = None
+    if answer.logprobs:  # text offsets go on from the choice's earlier chunks, as in the whole answer
+        logprobs = _completion_logprobs(_token_logprobs(delta), answer.tokenizer, answer.text_offsets.get(index, 0))
+        answer.text_offsets[index] = logprobs.pop("end_offset")
+    return {
+        "index": index,
+        "text": delta.text,
+        "logprobs": logprobs,
+        "finish_reason": delta.finish_reason,
+        "stop_reason": getattr(delta, "stop_reason", None),
+    }
 
 
 def _chat_delta(answer: _Answer, index: int, delta: StreamOutput, first: bool) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
     logprobs = _chat_logprobs(_token_logprobs(delta), answer.tokenizer, answer.top) if answer.logprobs else None
-    return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+    return {
+        "index": index,
+        "delta": message,
+        "logprobs": logprobs,
+        "finish_reason": delta.finish_reason,
+        "stop_reason": getattr(delta, "stop_reason", None),
+    }
 
 
 def _token_logprobs(delta: StreamOutput) -> list[tuple[int, Any]]:
@@ -396,10 +493,10 @@ def _ranked(candidates: dict[int, Any]) -> list[tuple[int, Any]]:
     return sorted(candidates.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
 
 
-def _completion_logprobs(tokens: list[tuple[int, Any]], tokenizer: Any) -> dict[str, Any]:
-    """OpenAI's completions ``logprobs``: the tokens, their logprobs, the top candidates, text offsets."""
+def _completion_logprobs(tokens: list[tuple[int, Any]], tokenizer: Any, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions ``logprobs``: the tokens, their logprobs, the top candidates, text offsets
+    (from ``offset``: a stream's chunk goes on from the last); ``end_offset``: where the next would start."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
     for token_id, candidates in tokens:
         text = _token_text(token_id, candidates.get(token_id), tokenizer)
         chosen = candidates.get(token_id)
@@ -408,6 +505,14 @@ def _completion_logprobs(tokens: list[tuple[int, Any]], tokenizer: Any) -> dict[
         out["top_logprobs"].append({_token_text(t, lp, tokenizer): lp.logprob for t, lp in _ranked(candidates)})
         out["text_offset"].append(offset)
         offset += len(text)
+    out["end_offset"] = offset
+    return out
+
+
+def _whole_logprobs(tokens: list[tuple[int, Any]], tokenizer: Any) -> dict[str, Any]:
+    """A whole answer's completions ``logprobs``."""
+    out = _completion_logprobs(tokens, tokenizer)
+    del out["end_offset"]
     return out
 
 

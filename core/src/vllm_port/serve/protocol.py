@@ -173,26 +173,27 @@ def refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> No
             raise InvalidParameterError(f"best_of must equal n ({request.n}) or be left out", "best_of")
     if request.stream_options is not None and not request.stream:
         raise InvalidParameterError("stream_options is only allowed when stream is true", "stream_options")
+    options = request.stream_options
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        raise InvalidParameterError(
+            "stream_options.continuous_usage_stats puts the usage so far on every chunk, which needs "
+            "stream_options.include_usage: true as well",
+            "stream_options",
+        )
+    if request.stream and request.prompt_logprobs is not None:
+        raise InvalidParameterError(
+            "prompt_logprobs are not available when stream is true; leave one of them out", "prompt_logprobs"
+        )
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise InvalidParameterError("top_logprobs needs logprobs: true as well", "top_logprobs")
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(request, name)
+            if value is not None and value < 1:
+                raise InvalidParameterError(f"{name} must be at least 1, got {value}", name)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as a chat template reads them: a content of parts becomes its text parts joined."""
-    out = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidParameterError(
-                        f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
-                        f"got {part!r:.80}",
-                        "messages",
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        out.append(entry)
-    return out
+    """Messages as dicts, as a chat template reads them (:func:`~vllm_port.engine.chat_template.text_conversation`
+    turns a content of parts into its text, refusing any other part)."""
+    return [message.model_dump(exclude_none=True) for message in messages]
