@@ -123,6 +123,14 @@ ENGINE_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "tokenizer": ("--tokenizer", dict(metavar="DIR", help="a local tokenizer directory or tokenizer.json to use")),
+    "generation_config": (
+        "--generation-config",
+        dict(
+            metavar="auto|vllm|DIR",
+            help="sampling defaults for requests that leave them out: auto (default) the model's "
+            "generation_config.json, vllm none, or a directory's",
+        ),
+    ),
 }
 
 

@@ -463,6 +463,34 @@ def test_a_model_without_a_chat_template_is_a_400_until_one_is_given(cpu_runtime
     assert answered.json()["usage"]["prompt_tokens"] == len(llm.tokenizer.encode("Where is Mr Darcy?\n"))
 
 
+def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(cpu_runtime, tmp_path) -> None:
+    """vLLM's ``--generation-config auto``: the file's ``top_k``/``max_new_tokens`` apply unless the request sets them."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from vllm_port.data import bundled_model_dir
+    from vllm_port.serve.app import build_app
+    from vllm_port.serve.async_engine import AsyncEngine
+
+    model = tmp_path / "instruct"
+    shutil.copytree(bundled_model_dir(), model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "top_k": 1, "max_new_tokens": 4}))
+    llm = LLM(str(model), device=cpu_runtime, kv_cache_memory=2 << 20)
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+    with TestClient(build_app(AsyncEngine(llm, 4), ["instruct"])) as http:
+        texts = {
+            http.post("/v1/completions", json={"prompt": PROMPT, "seed": s}).json()["choices"][0]["text"]
+            for s in (1, 2)
+        }
+        chat = http.post("/v1/chat/completions", json={"messages": MESSAGES}).json()
+        own = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "top_k": 0, "seed": 1}).json()
+    assert texts == {greedy}  # top_k 1 and 4 tokens from the file, whatever the seed
+    assert chat["usage"]["completion_tokens"] == 4
+    assert own["usage"]["completion_tokens"] == 6  # the request's own max_tokens and top_k win
+
+
 @pytest.mark.slow
 def test_an_asynchronously_scheduled_server_answers_what_the_synchronous_engine_does(cpu_runtime, llm) -> None:
     """``vllm-port serve --async-scheduling``'s engine behind the app, driven in process by the official client:

@@ -84,6 +84,7 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     async_scheduling: bool | None = None
     pipeline_parallel_size: int = 1
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         # the cheap checks, all before anything loads: importing moves, casts and traces the user's module
@@ -240,6 +241,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v in ("auto", "hf"),
         "'auto' (or 'hf'): the tokenizer.json, through the tokenizers library; slow, mistral and custom tokenizers "
         "are not supported",
+    ),
+    "generation_config": (
+        lambda v: isinstance(v, (str, os.PathLike)) and (v in ("auto", "vllm") or os.path.isdir(v)),
+        "'auto' (the model's generation_config.json), 'vllm' (SamplingParams' own defaults) or a directory holding "
+        "a generation_config.json",
     ),
     "trust_remote_code": (
         lambda v: v is False,

@@ -45,6 +45,7 @@ from ..data import bundled_model_dir
 from ..errors import ModelLoadError, VllmPortError
 from ..memory import host_memory
 from ..models import load_config
+from ..models.config import read_sampling_defaults
 from ..models.loader import check_fits
 from ..ops import FLOAT_DTYPES
 from ..runtime import Runtime, load
@@ -304,6 +305,11 @@ class LLM:
         launched by ``torchrun`` (``distributed_executor_backend``): for a model whose weights do not fit one
         device. The stages take turns within a step, so it buys memory, not speed; its steps run eagerly, and
         it does not combine with ``tensor_parallel_size`` or placement yet.
+    :param generation_config: where the requests' sampling defaults come from, as vLLM's option of that name:
+        ``"auto"`` (the default) reads the model directory's ``generation_config.json`` (``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens`` as ``max_tokens``), ``"vllm"``
+        takes ``SamplingParams()``'s own, a directory path reads that directory's file. A request's own fields
+        always win; :meth:`get_default_sampling_params` shows the defaults.
     :raises ModelLoadError: for a model directory that cannot be loaded (naming the file and field).
     :raises SelectionError: for a device that is unknown or unavailable.
     """
@@ -337,6 +343,7 @@ class LLM:
         distributed_executor_backend: str | None = None,
         async_scheduling: bool | None = None,
         pipeline_parallel_size: int = 1,
+        generation_config: str = "auto",
     ) -> None:
         arguments = dict(locals())  # exactly EngineConfig's fields (a test holds the two in step)
         del arguments["self"]
@@ -358,6 +365,8 @@ class LLM:
         opened = _open_model(config, self.runtime)
         self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
         self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text
+        #: ``SamplingParams`` fields a request that leaves them out takes (``generation_config``)
+        self.sampling_defaults = _sampling_defaults(config.generation_config, self.model_dir)
         sizing = _size_cache(config, self.runtime, opened, self.placement)
         self.runner = _make_runner(config, self.runtime, opened, self.placement, sizing)
         # the cache's memory goes back to the allocator when the LLM goes away, closed or not
@@ -398,6 +407,11 @@ class LLM:
         """The provider bound to each op for the model's dtype."""
         return dict(self.runner.provider_per_op)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` a request without its own gets (vLLM's ``LLM.get_default_sampling_params``):
+        ``SamplingParams()`` with the model's ``generation_config.json`` defaults (``generation_config``)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer that encodes prompts and decodes outputs (vLLM's ``LLM.get_tokenizer``).
 
@@ -427,7 +441,8 @@ class LLM:
 
         :param prompts: a prompt or a list of them; a prompt is text, a list of token ids, or vLLM's
             ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (:mod:`vllm_port.engine.inputs`).
-        :param sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
+        :param sampling_params: one for all prompts, or one per prompt (default
+            :meth:`get_default_sampling_params`).
         :param use_tqdm: show a progress bar of the prompts done (and output tokens per second) on
             stderr, as vLLM does, but only when stderr is a terminal: logs, pipes and CI stay clean.
             A callable is used instead of ``tqdm.tqdm`` to make the bar (vLLM takes one too).
@@ -529,7 +544,7 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[_Submission]:
         listed = _as_prompt_list(prompts)
-        per_prompt = _as_params_list(params, len(listed))
+        per_prompt = _as_params_list(params, len(listed), self.get_default_sampling_params)
         for p in per_prompt:
             p.validate()
             if p.stop_strings and self.tokenizer is None:
@@ -1064,9 +1079,9 @@ def _as_prompt_list(prompts: Any) -> list[Any]:
     raise ValueError(f"prompts is {prompts!r:.80}; give text, a list of token ids, or a list of those")
 
 
-def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+def _as_params_list(params: Any, n: int, default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [default() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     listed = list(params)
@@ -1373,3 +1388,22 @@ def _make_runner(
         kv_cache_dtype=config.kv_cache_dtype,
         **sizing.runner_arguments(),
     )
+
+
+def _sampling_defaults(source: str, model_dir: Path | None) -> dict[str, Any]:
+    """The sampling defaults ``generation_config`` names (see ``LLM``), checked as ``SamplingParams`` checks a request.
+
+    :raises ModelLoadError: naming the file when a default is out of ``SamplingParams``' range.
+    """
+    if source == "vllm" or (source == "auto" and model_dir is None):
+        return {}
+    folder = Path(model_dir if source == "auto" else source)  # type: ignore[arg-type]
+    defaults = read_sampling_defaults(folder)
+    try:
+        SamplingParams(**defaults).validate()
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{folder / 'generation_config.json'}: a sampling default is out of range: {exc}; fix the file, or "
+            "give LLM(generation_config='vllm') (--generation-config vllm) to ignore it"
+        ) from None
+    return defaults

@@ -44,6 +44,7 @@ __all__ = [
     "model_file",
     "read_json",
     "read_model_file",
+    "read_sampling_defaults",
     "refuse_hub_id",
 ]
 
@@ -639,3 +640,43 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         moe=moe,
         quantization=quantization,
     )
+
+
+#: ``generation_config.json``'s sampling fields that become a request's defaults, as vLLM reads them
+#: (``max_new_tokens`` as ``max_tokens``); its other fields are not sampling settings this engine takes.
+SAMPLING_DEFAULT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_sampling_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sampling defaults a model ships in ``generation_config.json``, by ``SamplingParams`` field name.
+
+    vLLM applies these (``--generation-config auto``, its default) to every request that leaves the
+    field out: an instruct model's ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repetition_penalty`` and ``max_new_tokens``. As vLLM, ``do_sample`` is not read. No file, or
+    none of these fields: ``{}``.
+
+    :raises ModelLoadError: naming the file and the field whose value is not a number (an int for
+        ``top_k`` and ``max_new_tokens``).
+    """
+    path = model_file(model_dir, "generation_config.json")
+    if not path.exists():
+        return {}
+    raw = read_json(path, "generation_config.json")
+    defaults: dict[str, Any] = {}
+    for name, field in SAMPLING_DEFAULT_FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        integral = name in ("top_k", "max_new_tokens")
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+            expected = "an int" if integral else "a number"
+            raise ModelLoadError(f"{path}: field '{name}' is {value!r} ({type(value).__name__}); expected {expected}")
+        defaults[field] = value if integral else float(value)
+    return defaults

@@ -228,7 +228,7 @@ class _Server:
     async def _submit(self, prompts: list[Any], body: Any, max_tokens: int, prompt_param: str) -> RequestGroup:
         try:
             refuse_unsupported(body)
-            params = sampling_params(body, max_tokens)
+            params = sampling_params(body, max_tokens, self.engine.llm.sampling_defaults)
             return await self.engine.submit(prompts, params, getattr(params, "n", 1))
         except InvalidParameterError as exc:
             raise _bad_request(str(exc), exc.param) from None
@@ -247,6 +247,8 @@ class _Server:
         model = self._check_model(body.model)
         prompts = _prompt_list(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else self.engine.llm.max_model_len
+        if "max_tokens" not in body.model_fields_set:  # OpenAI's 16, or less where the model says so
+            max_tokens = min(max_tokens, self.engine.llm.sampling_defaults.get("max_tokens", max_tokens))
         group = await self._submit(prompts, body, max_tokens, "prompt")
         answer = _Answer("cmpl", "text_completion", model, body.n, body.logprobs is not None, self.tokenizer)
         if body.stream:
@@ -276,8 +278,9 @@ class _Server:
         model = self._check_model(body.model)
         prompt_ids = self._render(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.engine.llm.max_model_len - len(prompt_ids))
+        if max_tokens is None:  # what the context leaves, or less where the model says so
+            left = max(1, self.engine.llm.max_model_len - len(prompt_ids))
+            max_tokens = min(left, self.engine.llm.sampling_defaults.get("max_tokens", left))
         group = await self._submit([prompt_ids], body, max_tokens, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         answer = _Answer("chatcmpl", "chat.completion", model, body.n, body.logprobs, self.tokenizer, top)

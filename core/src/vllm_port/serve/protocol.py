@@ -10,6 +10,7 @@ says so, unless its value is the neutral one (``repetition_penalty: 1.0`` asks f
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,12 +128,17 @@ _PASSED = (
 )
 
 
-def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, max_tokens: int, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """The ``SamplingParams`` a request asks for, generating at most ``max_tokens``.
 
+    :param defaults: ``SamplingParams`` fields for what the request leaves out (or sends as ``null``): the
+        model's ``generation_config.json`` (``LLM.sampling_defaults``), as vLLM applies them.
     :raises InvalidParameterError: naming the field that this engine cannot honour or that has a bad value.
     """
-    given = request.model_dump(exclude_unset=True)
+    given = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
+    given.update((k, v) for k, v in request.model_dump(exclude_unset=True).items() if v is not None)
     if isinstance(request, ChatCompletionRequest):  # chat: logprobs is a switch, top_logprobs the count
         given["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
     if given.get("logit_bias"):
