@@ -10,6 +10,7 @@ the device or the extra is missing.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .cli_flags import (
@@ -96,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again under the handler it
+    # found: a quiet one here, so that a SIGTERM (what systemd and Kubernetes send) ends with status 0 too
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     llm.close()
     return 0

@@ -41,6 +41,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with start_server(args, log=log, env={**os.environ, "OMP_NUM_THREADS": "1"}) as process:
         yield process
+    # start_server stopped it with SIGTERM, as systemd and Kubernetes do: a graceful end, status 0 (serve_command)
+    assert process.process.returncode == 0, log.read_text()[-2000:]
 
 
 @pytest.fixture(scope="module")
