@@ -60,12 +60,15 @@ def interpreted_samples(op, dtype, gen):
 
     bfloat16 runs every other sample; float32 and float16 (whose code paths differ only in the
     rounding) run the first five (block boundaries, GQA, window, soft cap), as they did before the
-    op grew its shape and padding samples.
+    op grew its shape and padding samples, and the unbent soft cap of 1e6, whose error (tanh's
+    cancellation, 1e-2) only their tolerances see.
     """
     found = op.samples(dtype, DEVICE, gen)
     if DEVICE.type != "cpu":
         return found
-    return [s for s in found if not s.large] if dtype == torch.bfloat16 else found[:5]
+    if dtype == torch.bfloat16:
+        return [s for s in found if not s.large]
+    return found[:5] + [s for s in found[5:] if s.label.startswith("soft cap 1e6")]
 
 
 @pytest.mark.slow

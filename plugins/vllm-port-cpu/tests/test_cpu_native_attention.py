@@ -66,6 +66,23 @@ def test_decode_matches_the_float64_reference(dtype, heads, kv_heads, window, ca
 
 
 @needs_kernels
+@pytest.mark.parametrize("cap", [1e4, 1e6, 1e9, 1e-50], ids=lambda c: f"cap {c:g}")
+def test_soft_caps_far_above_or_below_the_scores_match_the_float64_reference(cap):
+    """tanh's (1 - e) / (1 + e) cancels when the cap dwarfs the scores (a cap of 1e6 was 1e-2 off in float32, one
+    of 1e9 attended uniformly); a cap under float32's smallest value would reach the kernel as 0, no cap at all."""
+    kc, vc, tables, lens = paged_batch(LENS, torch.float32)
+    q = queries(len(LENS), 8, 64, torch.float32, sharp=3.0)
+    assert (
+        paged_attention.check(native.paged_attention.fn, (q, kc, vc, tables, lens, 0.125, 0, cap), torch.float32)
+        is None
+    )
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+    q = queries(sum(LENS), 8, 64, torch.float32, sharp=3.0)
+    args = (q, kc, vc, tables, cu, lens, max(LENS), 0.125, 0, cap)
+    assert prefill_attention.check(native.prefill_attention.fn, args, torch.float32) is None
+
+
+@needs_kernels
 @by_dtype
 # a tile's rows (its tokens x the group) lie across 16 * k vector lanes, taken in slabs of 64, 32 and 16:
 # groups 3 and 7 make tiles of 48 and 112 lanes (32 + 16 and 64 + 32 + 16)

@@ -524,6 +524,8 @@ def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("gqa 8", [5, 40], 8, 1),
         case("sliding window 8", boundaries, 4, 2, window=8),
         case("soft cap 30", boundaries, 4, 2, cap=30.0),
+        # a cap far above the scores leaves them as they are: tanh(x) = (1 - e) / (1 + e) cancels there
+        case("soft cap 1e6, scores unbent", boundaries, 4, 2, cap=1e6),
         case("llama3-8b decode", [1, 129, 511, 1000], 32, 8, head_size=128),
         # 128-token blocks hold whole key tiles (the CUDA platform's default: its kernels load them with TMA)
         case("llama3-8b decode, block size 128", [1, 129, 300, 1000], 32, 8, head_size=128, block_size=128),
@@ -582,6 +584,7 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
         case("gqa 8", [7, 20], [0, 5], 8, 1),
         case("sliding window 8", [20, 3], [0, 30], 4, 2, window=8),
         case("soft cap 30", [9, 17], [4, 0], 4, 2, cap=30.0),
+        case("soft cap 1e6, scores unbent", [9, 17], [4, 0], 4, 2, cap=1e6),
         case("llama3-8b prefill", [128, 37], [0, 64], 32, 8, head_size=128),
         case("llama3-8b prefill, block size 128", [200, 37], [0, 100], 32, 8, head_size=128, block_size=128),
         # the shapes Hopper's prefill kernel serves (head 128, blocks of 128 tokens or a multiple): several key

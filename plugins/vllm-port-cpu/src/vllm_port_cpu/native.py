@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform as _host
 import shutil
@@ -407,6 +408,12 @@ def _covered(lib: ctypes.CDLL | None, query: torch.Tensor, *tensors: torch.Tenso
     return True
 
 
+def _float_cap(soft_cap: float) -> bool:
+    """Whether the kernels, which take ``soft_cap`` as a C float, see it as given: 0 (no cap), or a positive
+    value that stays positive and finite in float32 (a cap under 1.4e-45 would become 0, no cap at all)."""
+    return soft_cap == 0 or 0.0 < ctypes.c_float(soft_cap).value < math.inf
+
+
 def _cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, num_heads: int) -> list:
     """The kernels' cache and block-table arguments, in their C order (``num_heads``: the query's)."""
     num_blocks, block_size, kv_heads, _ = key_cache.shape
@@ -447,7 +454,7 @@ def paged_attention(
 ) -> torch.Tensor:
     check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
     lib = _library if _loaded else library()
-    if not _covered(lib, query, key_cache, value_cache, block_tables, seq_lens):
+    if not _covered(lib, query, key_cache, value_cache, block_tables, seq_lens) or not _float_cap(soft_cap):
         return attention.paged_attention.fn(
             query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap
         )
@@ -491,7 +498,9 @@ def prefill_attention(
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_query_len, scale)
     check_prefill_attention(*args, sliding_window, soft_cap)
     lib = _library if _loaded else library()
-    if not _covered(lib, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens):
+    if not _covered(lib, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens) or not _float_cap(
+        soft_cap
+    ):
         return attention.prefill_attention.fn(*args, sliding_window, soft_cap)
     tokens, num_heads, head_size = query.shape
     # rows past cu_seqlens_q[-1] belong to no sequence: zero, as the reference returns them

@@ -63,9 +63,16 @@ _MERGE_CHUNK = 128
 
 @triton.jit
 def _tanh(x):
-    """tanh from exp2 (not every Triton version has a portable tanh); exact limits at +-inf."""
-    e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))  # exp(-2|x|) in (0, 1]: never overflows
-    t = (1.0 - e) / (1.0 + e)
+    """tanh from exp2 (not every Triton version has a portable tanh); exact limits at +-inf.
+
+    (1 - e) / (1 + e) with e = exp(-2|x|) cancels for small |x| (a soft cap of 1e6 put scores 0.03
+    off): below 1/4 it is tanh's odd series to x^9, whose next term is under 1e-8 of the value.
+    """
+    a = tl.abs(x)
+    e = tl.exp2((-2.0 * LOG2E) * a)  # exp(-2|x|) in (0, 1]: never overflows
+    a2 = a * a
+    near = a * (1.0 + a2 * (-1.0 / 3 + a2 * (2.0 / 15 + a2 * (-17.0 / 315 + a2 * (62.0 / 2835)))))
+    t = tl.where(a < 0.25, near, (1.0 - e) / (1.0 + e))
     return tl.where(x < 0, -t, t)
 
 
