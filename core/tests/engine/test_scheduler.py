@@ -218,14 +218,17 @@ def test_update_decides_every_stop_in_one_place_and_feeds_the_matcher_each_token
     params = SamplingParams(temperature=0, max_tokens=6)
     by_text = Request("0", 0, prompt, params, stop_matcher=_StopAt(out[2]))
     token_first = Request("1", 1, prompt, params, stop_token_ids=[out[3]], stop_matcher=_StopAt(out[3]))
-    length_first = Request("2", 2, prompt, params, stop_matcher=_StopAt(out[5]))  # max_tokens and the text agree
-    for seq in (by_text, token_first, length_first):
+    # the last token max_tokens allows also completes the stop string: a stop, as vLLM reports it (the text is cut)
+    text_at_length = Request("2", 2, prompt, params, stop_matcher=_StopAt(out[5]))
+    length = Request("3", 3, prompt, params, stop_matcher=_StopAt(-1))  # a stop string that never appears
+    for seq in (by_text, token_first, text_at_length, length):
         sched.add(seq)
     run(sched, runner)
     assert by_text.finish_reason == "stop" and by_text.output_token_ids == out[:3]
     assert token_first.finish_reason == "stop" and token_first.output_token_ids == out[:4]
-    assert length_first.finish_reason == "length" and length_first.output_token_ids == out
-    for seq in (by_text, token_first, length_first):  # every output token, the one that ended it included
+    assert text_at_length.finish_reason == "stop" and text_at_length.output_token_ids == out
+    assert length.finish_reason == "length" and length.output_token_ids == out
+    for seq in (by_text, token_first, text_at_length, length):  # every output token, the one that ended it included
         assert seq.stop_matcher.fed == seq.output_token_ids
     assert_pool_empty(sched)
 
