@@ -3,10 +3,11 @@
 How each kind of block runs (never touching this venv's packages):
 
 - ``bash``: line by line in a shell whose PATH starts with this venv's ``bin``; ``cd`` moves the
-  working folder. ``pip install -e .`` installs the package, built as a wheel, into a folder on
-  ``PYTHONPATH`` instead, and is redone after every block that changes a file (an editable install
-  sees the change by itself). ``tox`` lines run in ``core/tests/scaffold/test_scaffold.py``; a
-  command the guide repeats later runs at its last place only.
+  working folder. ``pip install -e .`` does what an editable install does, outside this venv: the
+  package, built as a wheel, goes into a folder on ``PYTHONPATH`` (its metadata and entry points), and
+  its ``src`` goes ahead of that folder, so the blocks that change a file are seen without installing
+  again. ``tox`` lines run in ``core/tests/scaffold/test_scaffold.py``; a command the guide repeats
+  later runs at its last place only.
 - ``python`` headed ``# add to PATH`` or ``# new file PATH``: changes the generated package. Any
   other: runs in a fresh interpreter in the package's folder, on CPU, with ``TRITON_INTERPRET=1``.
 - ``toml``: parses, and its ``dependencies`` line replaces the generated one.
@@ -86,10 +87,13 @@ class Guide:
         return out
 
     def install(self) -> None:
-        """``pip install -e .``, outside this venv: a wheel into ``site`` (on PYTHONPATH)."""
-        self.run(["rm", "-rf", str(self.site)])
+        """``pip install -e .``, outside this venv: a wheel into ``site``, the package's ``src`` ahead of it on
+        PYTHONPATH (an editable install: later edits of the sources are seen as they are made)."""
+        if self.installed:
+            return
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
         self.run([*pip, "--target", str(self.site), "."])
+        self.env["PYTHONPATH"] = os.pathsep.join([str(self.cwd / "src"), str(self.site)])
         self.installed = True
 
     def shell(self, block: Block, later: list[str]) -> None:
