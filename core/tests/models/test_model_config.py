@@ -140,3 +140,55 @@ def test_missing_or_unreadable_config(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelLoadError, match=r"holds a list; expected a JSON object"):
         load_config(tmp_path)
+
+
+_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_SMALL_MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("architecture", sorted(_TYPES))
+def test_a_field_left_out_means_what_transformers_config_class_assumes(tmp_path, architecture):
+    """rope_theta, rms_norm_eps and the sliding window, absent from config.json, are the defaults of transformers'
+    own config class for the architecture (Mixtral's theta is 1e6, Mistral's window 4096), not one number for all."""
+    transformers = pytest.importorskip("transformers")
+    moe = _SMALL_MOE if "Moe" in architecture or "Mixtral" in architecture else {}
+    reference = transformers.AutoConfig.for_model(_TYPES[architecture], **_SMALL, **moe)
+    config = {**reference.to_dict(), "architectures": [architecture]}
+    for name in ("rope_parameters", "rope_scaling", "rope_theta", "rms_norm_eps", "sliding_window"):
+        config.pop(name, None)
+    loaded = load_config(_write(tmp_path, config))
+    default = type(reference)()  # the class's own defaults
+    assert loaded.rope_theta == default.rope_parameters["rope_theta"]
+    assert loaded.rms_norm_eps == default.rms_norm_eps
+    # Mistral's class slides by 4096 by default; Mixtral's does not; Qwen's slide only with use_sliding_window
+    window = 0 if "Qwen" in architecture else (getattr(default, "sliding_window", None) or 0)
+    assert loaded.sliding_window == window
+
+
+def test_rope_fields_that_disagree_or_split_by_layer_type_are_refused(tmp_path):
+    both = {**LLAMA_31_8B, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+    both["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}  # transformers would take this one
+    with pytest.raises(ModelLoadError, match="'rope_parameters' and 'rope_scaling' are both set and disagree"):
+        load_config(_write(tmp_path, both))
+    same = {**LLAMA_31_8B, "rope_parameters": {**LLAMA_31_8B["rope_scaling"], "rope_theta": 500000.0}}
+    assert load_config(_write(tmp_path, same)).rope_scaling["rope_type"] == "llama3"  # saying the same is fine
+    nested = {**LLAMA_31_8B, "rope_scaling": None, "rope_parameters": {"full_attention": {"rope_type": "linear"}}}
+    with pytest.raises(ModelLoadError, match="rope parameters per layer type"):
+        load_config(_write(tmp_path, nested))
+
+
+def test_a_qwen3_moe_sliding_window_is_refused_naming_the_field(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoConfig.for_model("qwen3_moe", **_SMALL, **_SMALL_MOE)
+    config = {**reference.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+    config.update(use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ModelLoadError, match="field 'use_sliding_window' is true"):
+        load_config(_write(tmp_path, config))

@@ -99,7 +99,7 @@ def test_transformers_5_spelling_of_the_expert_count(tmp_path):
         (QWEN3_30B_A3B, {"shared_expert_intermediate_size": 512}, "field 'shared_expert_intermediate_size'"),
         (QWEN3_30B_A3B, {"hidden_act": "gelu"}, "field 'hidden_act'"),
         (QWEN3_30B_A3B, {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28},
-         "sliding window in some layers only"),
+         "field 'use_sliding_window' is true"),
         (MIXTRAL_8X7B, {"num_local_experts": 1 << 20}, "field 'num_local_experts'"),
     ],
 )  # fmt: skip

@@ -59,6 +59,15 @@ SUPPORTED_ARCHITECTURES = (
 )
 #: The architectures whose attention normalises each query and key head (Qwen3's ``q_norm``/``k_norm``).
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+#: What transformers' config class of an architecture assumes where config.json leaves a field out (read
+#: from transformers 5.25's classes; core/tests/models/test_model_config.py compares them with the installed
+#: transformers): Mixtral's rope_theta and rms_norm_eps, Mistral's sliding window. Elsewhere 10000 and 1e-6.
+ARCHITECTURE_DEFAULTS: Mapping[str, Mapping[str, float]] = MappingProxyType(
+    {
+        "MixtralForCausalLM": MappingProxyType({"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}),
+        "MistralForCausalLM": MappingProxyType({"sliding_window": 4096}),
+    }
+)
 #: The mixture-of-experts architectures (their MoE blocks run through the ``fused_moe`` op).
 _MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 #: The rope types understood: plain RoPE and Llama 3.1's frequency-dependent scaling.
@@ -458,23 +467,41 @@ def _architecture(fields: _Fields) -> str:
 
 def _checkpoint_dtype(fields: _Fields) -> torch.dtype:
     name = "dtype" if "dtype" in fields.raw else "torch_dtype"
-    value = fields.raw.get(name, "float32")  # transformers' own default when the field is absent
+    value = fields.raw.get(name)
+    if value is None:  # absent or null: transformers' own default (a config it writes without a dtype holds null)
+        value = "float32"
     dtype = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise fields.fail(name, "a floating-point dtype name such as 'bfloat16', 'float16' or 'float32'")
     return dtype
 
 
-def _rope(fields: _Fields) -> tuple[float, Mapping[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
-    key = "rope_parameters" if fields.raw.get("rope_parameters") is not None else "rope_scaling"
+def _rope(fields: _Fields, default_theta: float) -> tuple[float, Mapping[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``.
+
+    Both present and saying different things is refused: transformers takes ``rope_scaling``'s type
+    over ``rope_parameters``', and reading one of them would run the model with the other's rope.
+    """
+    both = [k for k in ("rope_parameters", "rope_scaling") if fields.raw.get(k) is not None]
+    if len(both) == 2 and _rope_kind(fields.raw["rope_parameters"]) != _rope_kind(fields.raw["rope_scaling"]):
+        raise ModelLoadError(
+            f"{fields.path}: fields 'rope_parameters' and 'rope_scaling' are both set and disagree "
+            f"({fields.raw['rope_parameters']!r:.120} against {fields.raw['rope_scaling']!r:.120}); transformers "
+            "takes rope_scaling's: keep the one the model was trained with and remove the other"
+        )
+    key = both[0] if both else "rope_scaling"
     params = fields.raw.get(key)
     if params is None:
-        return fields.get_float("rope_theta", 10000.0), None
+        return fields.get_float("rope_theta", default_theta), None
     if not isinstance(params, dict):
         raise fields.fail(key, "an object of rope parameters or null")
+    if "rope_type" not in params and "type" not in params and any(isinstance(v, dict) for v in params.values()):
+        raise ModelLoadError(
+            f"{fields.path}: field {key!r} holds rope parameters per layer type ({sorted(params)}); one rope for "
+            "every layer is supported: give {'rope_type': ..., 'rope_theta': ...}"
+        )
     sub = _Fields(fields.path, params, prefix=f"{key}.")
-    theta = sub.get_float("rope_theta", fields.raw.get("rope_theta", 10000.0))
+    theta = sub.get_float("rope_theta", fields.raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(
@@ -493,12 +520,27 @@ def _rope(fields: _Fields) -> tuple[float, Mapping[str, Any] | None]:
     return theta, MappingProxyType(scaling)
 
 
+def _rope_kind(params: Any) -> Any:
+    """What a rope object asks for, whichever key spells its type, without its theta (compared, not used)."""
+    if not isinstance(params, dict):
+        return params
+    kind = {k: v for k, v in params.items() if k not in ("type", "rope_type", "rope_theta")}
+    return params.get("rope_type", params.get("type", "default")), kind
+
+
 def _sliding_window(fields: _Fields, architecture: str, num_layers: int) -> int:
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+        if "sliding_window" not in fields.raw:  # absent is the class's default; null is no window
+            return int(ARCHITECTURE_DEFAULTS.get(architecture, {}).get("sliding_window", 0))
         return fields.get_int("sliding_window", 0, minimum=0)
     qwen = ("Qwen2ForCausalLM", *_QK_NORM)
     if architecture not in qwen or not fields.get_bool("use_sliding_window", False):
         return 0
+    if architecture == "Qwen3MoeForCausalLM":
+        raise ModelLoadError(
+            f"{fields.path}: field 'use_sliding_window' is true, which Qwen3MoeForCausalLM does not support here: "
+            "transformers versions disagree on which of its layers slide (released Qwen3-MoE configs set it false)"
+        )
     # Qwen2 slides only in the layers at or above max_window_layers (layer_types spells it out in transformers 5)
     window = fields.get_int("sliding_window")
     types = fields.raw.get("layer_types")
@@ -602,7 +644,8 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     if head_size % 2:
         raise fields.fail("head_dim", "an even head size (rotary embedding rotates pairs of features)")
     num_layers = fields.get_int("num_hidden_layers")
-    rope_theta, rope_scaling = _rope(fields)
+    defaults = ARCHITECTURE_DEFAULTS.get(architecture, {})
+    rope_theta, rope_scaling = _rope(fields, defaults.get("rope_theta", 10000.0))
     eos = fields.token_ids("eos_token_id")
     generation = model_file(model_dir, "generation_config.json")
     if generation.exists():
@@ -624,7 +667,7 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_size=head_size,
-        rms_norm_eps=fields.get_float("rms_norm_eps", 1e-6),
+        rms_norm_eps=fields.get_float("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=fields.get_int("max_position_embeddings"),
