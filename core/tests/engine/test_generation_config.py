@@ -30,7 +30,9 @@ def _model_with(tmp_path: Path, **fields: object) -> Path:
 
 def test_the_models_defaults_apply_to_what_a_request_leaves_out(cpu_runtime, tmp_path: Path) -> None:
     model = _model_with(tmp_path, do_sample=True, temperature=0.7, top_k=1, top_p=0.9, max_new_tokens=5)
-    llm = LLM(str(model), device=cpu_runtime, kv_cache_memory=2 << 20)
+    # no prefix cache: a run that reuses the greedy run's prompt blocks computes its logits by another path,
+    # and a near-tie may then break the other way (seen once in the full suite); here both compute alike
+    llm = LLM(str(model), device=cpu_runtime, kv_cache_memory=2 << 20, enable_prefix_caching=False)
     assert llm.sampling_defaults == {"temperature": 0.7, "top_p": 0.9, "top_k": 1, "max_tokens": 5}
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.7, 1, 0.9, 5)
