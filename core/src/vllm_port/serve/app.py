@@ -261,7 +261,7 @@ class _Server:
                     {
                         "index": i,
                         "text": "".join(c.text),
-                        "logprobs": _whole_logprobs(c.logprobs, self.tokenizer) if answer.logprobs else None,
+                        "logprobs": _completion_logprobs(c.logprobs, self.tokenizer) if answer.logprobs else None,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                         **({"prompt_logprobs": answer.prompt_logprobs(i)} if prompt_logprobs else {}),
@@ -349,10 +349,8 @@ class _Answer:
         self.object, self.model, self.n = object, model, n
         self.logprobs, self.tokenizer, self.top = logprobs, tokenizer, top
         self.created = int(time.time())
-        self.completion_tokens = 0
         self.choice_tokens: dict[int, int] = {}  # choice index -> completion tokens so far
         self.text_offsets: dict[int, int] = {}  # choice index -> characters of its logprobs' tokens so far
-        self.prompt_tokens: list[int] = []  # per prompt, once the group is known
         self._prompt_logprobs: dict[int, Any] = {}  # prompt index -> the engine's prompt logprobs
 
     def envelope(self, choices: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
@@ -360,12 +358,7 @@ class _Answer:
         return {**head, "choices": choices, **more}
 
     def usage(self, group: RequestGroup) -> dict[str, int]:
-        prompt = sum(len(ids) for ids in group.prompt_token_ids)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-        }
+        return _usage(sum(len(ids) for ids in group.prompt_token_ids), sum(self.choice_tokens.values()))
 
     def choice_index(self, prompt_index: int, delta: StreamOutput) -> int:
         return prompt_index * self.n + getattr(delta, "sample_index", 0)
@@ -388,16 +381,13 @@ class _Answer:
 
     def _record(self, prompt_index: int, index: int, delta: StreamOutput) -> None:
         """Count ``delta``'s tokens, and keep its prompt logprobs."""
-        self.completion_tokens += len(delta.token_ids)
         self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(delta.token_ids)
         if getattr(delta, "prompt_logprobs", None) is not None:
             self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
 
     def running_usage(self, group: RequestGroup, prompt_index: int, index: int) -> dict[str, int]:
         """The usage so far of one choice (its prompt's tokens and its own): a chunk's continuous usage, as vLLM's."""
-        prompt = len(group.prompt_token_ids[prompt_index])
-        done = self.choice_tokens.get(index, 0)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return _usage(len(group.prompt_token_ids[prompt_index]), self.choice_tokens.get(index, 0))
 
     async def gather(self, group: RequestGroup) -> list[_Choice]:
         choices = [_Choice() for _ in range(len(group.request_ids) * self.n)]
@@ -453,11 +443,16 @@ class _Answer:
             await group.aclose()
 
 
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _completion_delta(answer: _Answer, index: int, delta: StreamOutput, first: bool) -> dict[str, Any]:
     logprobs = None
     if answer.logprobs:  # text offsets go on from the choice's earlier chunks, as in the whole answer
-        logprobs = _completion_logprobs(_token_logprobs(delta), answer.tokenizer, answer.text_offsets.get(index, 0))
-        answer.text_offsets[index] = logprobs.pop("end_offset")
+        start = answer.text_offsets.get(index, 0)
+        logprobs = _completion_logprobs(_token_logprobs(delta), answer.tokenizer, start)
+        answer.text_offsets[index] = start + sum(len(token) for token in logprobs["tokens"])
     return {
         "index": index,
         "text": delta.text,
@@ -498,7 +493,7 @@ def _ranked(candidates: dict[int, Any]) -> list[tuple[int, Any]]:
 
 def _completion_logprobs(tokens: list[tuple[int, Any]], tokenizer: Any, offset: int = 0) -> dict[str, Any]:
     """OpenAI's completions ``logprobs``: the tokens, their logprobs, the top candidates, text offsets
-    (from ``offset``: a stream's chunk goes on from the last); ``end_offset``: where the next would start."""
+    (from ``offset``: a stream's chunk goes on from the last)."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, candidates in tokens:
         text = _token_text(token_id, candidates.get(token_id), tokenizer)
@@ -508,14 +503,6 @@ def _completion_logprobs(tokens: list[tuple[int, Any]], tokenizer: Any, offset: 
         out["top_logprobs"].append({_token_text(t, lp, tokenizer): lp.logprob for t, lp in _ranked(candidates)})
         out["text_offset"].append(offset)
         offset += len(text)
-    out["end_offset"] = offset
-    return out
-
-
-def _whole_logprobs(tokens: list[tuple[int, Any]], tokenizer: Any) -> dict[str, Any]:
-    """A whole answer's completions ``logprobs``."""
-    out = _completion_logprobs(tokens, tokenizer)
-    del out["end_offset"]
     return out
 
 
