@@ -29,7 +29,7 @@ def test_a_cpu_smoke_run_writes_a_row_per_token_count(tmp_path, capsys) -> None:
     assert "fused_moe bound to cpu_fused_moe" in capsys.readouterr().out
 
 
-def test_the_sweep_relaunches_the_bound_triton_kernels_with_each_tile() -> None:
+def test_the_sweep_relaunches_the_bound_triton_kernels_with_torch_routing_and_each_tile() -> None:
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
@@ -39,8 +39,11 @@ def test_the_sweep_relaunches_the_bound_triton_kernels_with_each_tile() -> None:
 
     bound = SimpleNamespace(providers={"fused_moe": SimpleNamespace(fn=MoeKernels(INTERPRETER).fused_moe)})
     found = _sweep(bound)
+    torch_routed = found.pop("fused_moe, torch routing").__self__.target
+    assert not torch_routed.moe_route_small and torch_routed.moe_small == INTERPRETER.moe_small
     assert len(found) == len(SWEEP_TILES)
     assert {fn.__self__.target.moe_large for fn in found.values()} == set(SWEEP_TILES)
+    assert list(_sweep(bound, tiles=False)) == ["fused_moe, torch routing"]
     cpu = SimpleNamespace(providers={"fused_moe": SimpleNamespace(fn=lambda *a: None)})
     assert _sweep(cpu) == {}
 

@@ -114,3 +114,49 @@ def test_the_one_program_sort_of_a_decode_step_equals_the_torch_one(monkeypatch,
         used = int(many[2])
         assert int(one[2]) == used and torch.equal(one[0], many[0])
         assert torch.equal(one[1][: used // block_m], many[1][: used // block_m])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, on the infinities and NaN below
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_the_one_program_routing_of_a_decode_step_equals_route_and_the_sort(scoring):
+    """The same experts as ``route`` (ties to the lower index, ``-0.0`` equal to ``0.0``, NaN and infinities where the
+    stable sort puts them), its weights to float32 rounding, and the same sorted pairs."""
+    from vllm_port.kernels.triton.moe import route_and_sort
+    from vllm_port.ops.moe import route
+
+    gen = torch.Generator().manual_seed(1)
+    cases = [(1, 128, 8), (16, 128, 8), (3, 8, 2), (5, 64, 6), (1, 1, 1), (7, 200, 4), (64, 8, 2), (2, 16, 16)]
+    for (tokens, experts, top_k), dtype, renormalize in zip(
+        cases, [torch.float32, torch.bfloat16, torch.float16] * 3, [True, False] * 4, strict=False
+    ):
+        logits = torch.randn(tokens, experts, generator=gen)
+        if experts >= 8:  # a row of three values (ties at the top-k edge), a signed zero beside a zero
+            logits[-1] = torch.arange(experts).remainder(3).float()
+            logits[-1, :2] = torch.tensor([-0.0, 0.0])
+        if tokens >= 3:  # a NaN, a +inf, a row of -inf but one
+            logits[0, 5], logits[1, 3], logits[2] = float("nan"), float("inf"), float("-inf")
+            logits[2, 1] = -1e30
+        logits = logits.to(DEVICE, dtype)
+        want_w, want_ids = route(logits, top_k, scoring, renormalize, 2.5)
+        weights, ids, (pairs, block_expert, total) = route_and_sort(logits, top_k, scoring, renormalize, 2.5, 16)
+        label = f"{tokens} x {experts}, top-{top_k}, {dtype}"
+        assert torch.equal(ids, want_ids), label
+        torch.testing.assert_close(weights, want_w.float(), rtol=2e-6, atol=1e-7, equal_nan=True, msg=label)
+        want_pairs, want_blocks, want_total = sort_pairs_by_expert(want_ids, experts, 16)
+        used = int(want_total)
+        assert int(total) == used and torch.equal(pairs, want_pairs), label
+        assert torch.equal(block_expert[: used // 16], want_blocks[: used // 16]), label
+
+
+def test_routing_outside_one_program_takes_the_torch_ops(monkeypatch):
+    """Float64 logits, more pairs than one program sorts, or the target's switch off: ``route``'s ops, then the sort."""
+    from vllm_port.kernels.triton import moe
+
+    calls, route = [], moe.route
+    monkeypatch.setattr(moe, "route", lambda *args: calls.append(tuple(args[0].shape)) or route(*args))
+    logits = torch.randn(4, 8, device=DEVICE)
+    moe.route_and_sort(logits.double(), 2, "softmax", True, 1.0, 16)
+    moe.route_and_sort(torch.randn(65, 8, device=DEVICE), 2, "softmax", True, 1.0, 16)  # 130 pairs
+    moe.route_and_sort(logits, 2, "softmax", True, 1.0, 16, one_program=False)
+    moe.route_and_sort(logits, 2, "softmax", True, 1.0, 16)  # the one program
+    assert calls == [(4, 8), (65, 8), (4, 8)]

@@ -17,9 +17,10 @@ Each time is the median of calls with the caches flushed before each (as triton'
 (the experts some token chose, each read once: the decode floor) against the device's copy
 bandwidth, and TFLOP/s of the routed products (``2 x tokens x top_k x 3 x intermediate x hidden``).
 Each implementation's output is compared with the float32 reference first (max abs error printed).
-``--sweep`` adds a row per candidate of :data:`SWEEP_TILES` where ``fused_moe`` is bound to the Triton
-kernels (the same kernels launched with other tiles: what to put in the plugin's ``TritonTarget``), eager
-and captured.
+Where ``fused_moe`` is bound to the Triton kernels, a row shows them with a decode step's routing in
+``route``'s torch ops instead of their one program (``TritonTarget.moe_route_small``), and ``--sweep``
+adds a row per candidate of :data:`SWEEP_TILES` (the same kernels launched with other tiles: what to put
+in the plugin's ``TritonTarget``), each eager and captured.
 """
 
 from __future__ import annotations
@@ -64,14 +65,17 @@ SWEEP_TILES = (
 )
 
 
-def _sweep(ops: Any) -> dict[str, Callable[..., Any]]:
-    """``fused_moe`` of the bound Triton kernels launched with each of :data:`SWEEP_TILES` (none if not Triton)."""
+def _sweep(ops: Any, tiles: bool = True) -> dict[str, Callable[..., Any]]:
+    """Variants of the bound Triton kernels (none if ``fused_moe`` is not bound to them): routed by ``route``'s
+    torch ops instead of one program, and (``tiles``) launched with each of :data:`SWEEP_TILES`."""
     kernels = getattr(ops.providers["fused_moe"].fn, "__self__", None)
     target = getattr(kernels, "target", None)
     if target is None or not hasattr(target, "moe_small"):
         return {}
     found = {}
-    for t in SWEEP_TILES:
+    if target.moe_route_small:
+        found["fused_moe, torch routing"] = type(kernels)(dataclasses.replace(target, moe_route_small=False)).fused_moe
+    for t in SWEEP_TILES if tiles else ():
         tiled = dataclasses.replace(target, moe_small=t, moe_large=t)
         found[f"tiles {t.block_m}x{t.block_n}x{t.block_k} w{t.warps} s{t.stages}"] = type(kernels)(tiled).fused_moe
     return found
@@ -139,7 +143,7 @@ def main(
         }
         if hasattr(torch, "_grouped_mm") and dev.type == "cuda":
             impls["grouped_mm"] = lambda x=x, lg=logits: _grouped_mm_layer(x, lg, w13, w2, top_k, renorm)
-        for name, fn in (_sweep(ops) if sweep else {}).items():
+        for name, fn in _sweep(ops, tiles=sweep).items():
             impls[name] = lambda x=x, lg=logits, fn=fn: fn(x, lg, w13, w2, top_k, "softmax", renorm)
         for name in list(impls):  # the sweep's tiles too: at decode an eager call times the launches, not the tiles
             try:

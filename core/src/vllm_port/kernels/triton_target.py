@@ -119,6 +119,8 @@ class TritonTarget:
             (decode: each active expert's weights read once, by many narrow programs).
         moe_large: its tiles for larger batches (prefill: a grouped GEMM of wide tiles).
         moe_small_tokens: the most tokens ``moe_small`` serves.
+        moe_route_small: a decode step's routing (top-k, weights) and pair sort run in one Triton program
+            (``moe.route_and_sort``); False: ``route``'s torch ops, then the sort.
         fp8_skinny_rows: the most rows ``fp8_linear`` runs with ``fp8_skinny`` (split-K, decode); more take
             ``fp8_wide``. 0 declines ``fp8_linear`` at bind time.
         fp8_skinny: tiles of ``fp8_linear`` at decode.
@@ -155,6 +157,7 @@ class TritonTarget:
     moe_small: MoeTiles = MoeTiles(16, 32, 128, 4, 2)
     moe_large: MoeTiles = MoeTiles(64, 64, 64, 4, 2)
     moe_small_tokens: int = 64
+    moe_route_small: bool = True
     fp8_skinny_rows: int = 64
     fp8_skinny: MatmulTiles = MatmulTiles(16, 64, 256, 4, 4, 4)
     fp8_wide: MatmulTiles = MatmulTiles(128, 128, 128, 8, 3)
