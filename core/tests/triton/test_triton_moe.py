@@ -84,7 +84,7 @@ def test_kernel_refuses_what_the_reference_refuses():
 
 
 def test_pairs_are_sorted_by_expert_and_padded_per_block():
-    ids = torch.tensor([[3, 0], [0, 3], [3, 1], [0, 2], [3, 0]])
+    ids = torch.tensor([[3, 0], [0, 3], [3, 1], [0, 2], [3, 0]], device=DEVICE)
     pairs, block_expert, total = sort_pairs_by_expert(ids, num_experts=5, block_m=4)
     flat = ids.flatten()
     used = int(total)
