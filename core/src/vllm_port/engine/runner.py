@@ -76,7 +76,8 @@ __all__ = [
 REPLAY_READ_FACTOR = 4
 
 #: ``step(input_ids, positions, kv_caches, meta, logits_rows) -> logits [len(logits_rows), vocab]``:
-#: one forward over the packed tokens of a step, with the logits of the rows in ``logits_rows``.
+#: one forward over the packed tokens of a step, with the logits of the rows in ``logits_rows``. A step that
+#: holds memory of its own (a flat model's graphs) carries a ``close()`` that :meth:`ModelRunner.close` calls.
 StepFunction = Callable[
     [torch.Tensor, torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata, torch.Tensor],
     torch.Tensor,
@@ -108,6 +109,8 @@ def flat_step(flat_model: Any) -> StepFunction:
         hidden = flat_model.forward(input_ids, positions, kv_caches, meta)
         return flat_model.compute_logits(hidden.index_select(0, logits_rows))
 
+    if hasattr(flat_model, "close"):
+        step.close = flat_model.close  # type: ignore[attr-defined]
     return step
 
 
@@ -255,6 +258,9 @@ class ModelRunner:
         if self.swap is not None:
             self.swap.close()
         self.decode_graphs = None
+        close_step = getattr(self.step, "close", None)
+        if close_step is not None:  # a flat model's graphs hold the weights in fx's reference cycles
+            close_step()
 
     def capture_steps(self, max_rows: int, max_model_len: int, max_prefill_tokens: int | None = None) -> list[int]:
         """Capture the step for up to ``max_rows`` rows over contexts up to ``max_model_len``.

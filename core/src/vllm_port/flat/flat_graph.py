@@ -342,6 +342,21 @@ class FlatGraph:
         module.recompile()
         return module
 
+    def close(self) -> None:
+        """Let go of the tensors this graph's modules hold (the traced weights); the graph cannot run after it.
+
+        fx keeps a GraphModule and its graph in a reference cycle, so a dropped graph's weights would stay
+        allocated until the garbage collector runs: a closed engine would keep them (issue 30's leak test).
+        """
+        for module in (self.module, self._runner):
+            if module is None:
+                continue
+            held = [name for name, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+            held += [name for name, value in vars(module).items() if isinstance(value, torch.Tensor)]
+            for name in held:  # make_fx registers the traced weights as buffers (_tensor_constant0, ...)
+                delattr(module, name)
+        self._runner = None
+
     def with_module(self, module: fx.GraphModule, fusions: Mapping[str, int]) -> FlatGraph:
         """A graph like this one over ``module`` (after passes), with ``fusions`` recorded."""
         return FlatGraph(

@@ -11,6 +11,7 @@ offer graph capture, compiled or not.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,9 +74,22 @@ class FlatModel:
     def graph(self, phase: str) -> FlatGraph:
         """The flat graph of ``phase`` (``"decode"`` or ``"prefill"``), after the passes when they are on."""
         if phase not in self._graphs:
-            graph = trace(self.model, self.kernels, phase=phase, block_size=self.block_size)
-            self._graphs[phase] = apply_passes(graph, self.runtime) if self.passes else graph
+            self._graphs[phase] = self._traced(phase)
+            # make_fx leaves its tracer in reference cycles that hold the traced weights (its root module's
+            # constants), as do the graphs the passes replaced: collected now, not whenever the collector runs
+            gc.collect()
         return self._graphs[phase]
+
+    def _traced(self, phase: str) -> FlatGraph:
+        graph = trace(self.model, self.kernels, phase=phase, block_size=self.block_size)
+        return apply_passes(graph, self.runtime) if self.passes else graph
+
+    def close(self) -> None:
+        """Let go of the graphs and their weights (see :meth:`FlatGraph.close`); the model cannot run after it."""
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
+        self._steps.clear()
 
     def _step(self, phase: str) -> Callable[..., Any]:
         if phase not in self._steps:
