@@ -388,3 +388,28 @@ def test_device_work_goes_to_the_innermost_range_it_ran_in():
     nested = [(0.0, 100.0, "lm_head"), (10.0, 20.0, "linear"), (30.0, 40.0, "linear")]
     got = attribute_device_work(nested, [(1.0, 3.0), (12.0, 14.0), (24.0, 26.0), (35.0, 37.0), (150.0, 160.0)])
     assert got.per_label == {"lm_head": [4.0], "linear": [2.0, 2.0]} and got.outside_us == 10.0
+
+
+def test_the_profiled_caches_hold_keys_and_values_in_every_slot():
+    """A fresh allocation's untouched pages read as zeros (on a CPU from one shared page, so the profiled attention
+    read from cache: 0.63 ms a call against 1.6 ms in a running engine): every slot is written, in each cache dtype."""
+    from vllm_port.profile.collect import fill_like_a_prefill
+
+    caches = [
+        tuple(torch.zeros(300, 4, 2, 8, dtype=dtype) for _ in range(2))
+        for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+    ]
+    fill_like_a_prefill(caches)
+    for key, value in caches:
+        for cache in (key, value):
+            wide = cache.float()
+            assert wide.isfinite().all() and (wide != 0).flatten(1).any(1).all(), cache.dtype  # every block written
+            assert 0.5 < wide.std() < 1.5
+        assert not torch.equal(key.float(), value.float())
+    again = [tuple(torch.zeros_like(c) for c in pair) for pair in caches]
+    fill_like_a_prefill(again)
+    assert all(
+        torch.equal(a.float(), b.float())
+        for pa, pb in zip(caches, again, strict=True)
+        for a, b in zip(pa, pb, strict=True)
+    )

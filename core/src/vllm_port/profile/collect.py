@@ -23,7 +23,7 @@ from .steps import _batch, _make_step
 from .subject import _versions, identity
 from .timing import CAPTURED_PHASE, _device_activity, _graph_capture, _timer_note
 
-__all__ = ["profile_model"]
+__all__ = ["fill_like_a_prefill", "profile_model"]
 
 
 def _check_options(model: Any, batch: int, context: int, repeats: int, phases: Sequence[str]) -> None:
@@ -40,6 +40,22 @@ def _check_options(model: Any, batch: int, context: int, repeats: int, phases: S
     unknown = [p for p in phases if p not in PHASES]
     if unknown or not phases:
         raise ProfileError(f"profile: phases {list(phases)!r}; choose from {', '.join(PHASES)}")
+
+
+def fill_like_a_prefill(caches: Sequence[tuple[torch.Tensor, torch.Tensor]], seed: int = 0) -> None:
+    """Random keys and values (a unit normal, in the caches' dtype) in every slot, as a prefill would leave them.
+
+    A fresh allocation's pages that nothing wrote read as zeros: on a CPU, from one shared page of the
+    kernel's, so a decode step's attention over them reads from cache. Measured on the 2-core dev box (the
+    engine's model, batch 64, context 192): 0.63 ms a call over untouched caches, 1.6 ms in a running engine.
+    """
+    for pair in caches:
+        for cache in pair:
+            gen = torch.Generator(cache.device).manual_seed(seed)
+            for block in range(0, cache.shape[0], 256):  # a slab at a time: no float32 copy of a whole cache
+                slab = cache[block : block + 256]
+                slab.copy_(torch.randn(slab.shape, generator=gen, device=cache.device))
+            seed += 1
 
 
 def profile_model(
@@ -98,6 +114,7 @@ def profile_model(
             )
         tables = torch.tensor(blocks, dtype=torch.int32)
         caches = list(zip(kv.key_caches, kv.value_caches, strict=True))
+        fill_like_a_prefill(caches)
         activity = _device_activity(device)
         capture = _graph_capture(runtime) if CAPTURED_PHASE in phases else (None, "")
         steps = {
