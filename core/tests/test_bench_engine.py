@@ -247,6 +247,21 @@ def test_bf16_and_fp8_run_side_by_side_with_their_ratio(tmp_path, capsys, fixed_
     assert "fp8 / fp32 decode tok/s at batch 1:" in text and "transformers is not needed" in text
 
 
+def test_an_fp8_kv_cache_runs_and_its_decode_rows_count_one_byte_an_element(tmp_path, capsys, fixed_copy_bandwidth):
+    out = tmp_path / "r.json"
+    args = ["bench", "engine", "--kv-cache-dtype", "fp8", "--systems", "engine", "--decode-batches", "2", "--json"]
+    assert main([*args, str(out), *TINY_FLAGS, "--dtype", "float32"]) == 0
+    result = json.loads(out.read_text())
+    assert result["kv_cache_dtype"] == "fp8" and result["results"]["engine"]["output_tokens"] == 3 * 4
+    (row,) = result["decode"]
+    w = replace(TINY, dtype="float32")
+    kv_fp8 = 2 * w.num_layers * w.num_kv_heads * w.head_size  # one byte an element; float32 would be four
+    assert engine_workload.kv_token_bytes(w, "fp8") == kv_fp8 == engine_workload.kv_token_bytes(w) // 4
+    mean_context = w.prompt_len + w.output_len / 2
+    assert row["step_bytes"] == pytest.approx(engine_workload.step_weight_bytes(w) + 2 * mean_context * kv_fp8)
+    assert "KV cache fp8" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [

@@ -215,6 +215,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "default: the engine's, on for one accelerator, off on cpu)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="the engine's KV cache (LLM(kv_cache_dtype=...)): auto, the model's dtype, or fp8 e4m3 with per-tensor "
+        "scales; the decode rows count its bytes (transformers and vLLM keep their own caches)",
+    )
+    parser.add_argument(
         "--save-model",
         default=None,
         help="build the random model into this directory, or reuse the one there (fp8 weights: DIR-fp8)",

@@ -254,7 +254,8 @@ def _decode_rates(
         step_s = rate["step_ms"] / 1e3
         mean_context = w.prompt_len + w.output_len / 2
         experts = expected_experts(w, batch) if w.is_moe else None
-        step_bytes = step_weight_bytes(w, experts) + batch * mean_context * kv_token_bytes(w)
+        kv_bytes = kv_token_bytes(w, llm_kwargs.get("kv_cache_dtype", "auto"))
+        step_bytes = step_weight_bytes(w, experts) + batch * mean_context * kv_bytes
         # tensor parallel: each rank reads its shard of the layers and KV, and the whole replicated LM head
         ranks = llm_kwargs.get("tensor_parallel_size", 1)
         head_bytes = w.vocab_size * w.hidden_size * itemsize(w.dtype)
@@ -360,6 +361,7 @@ def run(
     weights: Sequence[str] | None = None,
     async_scheduling: bool | None = None,
     mixed_requests: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Run the workload through every system asked for; return the results (what ``--json`` writes).
 
@@ -369,7 +371,8 @@ def run(
     ``"engine (fp8)"``; with float and fp8 weights, ``fp8_over_float_decode`` holds their decode-rate ratios.
     ``save_model``: build the model into this directory unless it already holds one (kept for later
     runs); the fp8 checkpoint goes to ``save_model + "-fp8"``. ``mixed_requests``: also run the engine on
-    a mixed workload of that many requests (:mod:`.mixed_load`), results under ``"mixed"``.
+    a mixed workload of that many requests (:mod:`.mixed_load`), results under ``"mixed"``. ``kv_cache_dtype``:
+    the engine's cache (``LLM(kv_cache_dtype=...)``), counted at its size in the decode rows' bytes.
 
     :raises FlagError: for a ``save_model`` directory that holds another model.
     """
@@ -390,6 +393,8 @@ def run(
             kw["enforce_eager"] = True
         if async_scheduling is not None:  # None: the engine's default (ahead on one accelerator)
             kw["async_scheduling"] = async_scheduling
+        if kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = kv_cache_dtype
         copy_gbs = None
         for v in variants:
             path = Path(dirs[v.weights])
@@ -416,6 +421,7 @@ def run(
         "workload": asdict(variants[0]),
         "model_dir": _shown(dirs[variants[0].weights]),
         "step": step,
+        "kv_cache_dtype": kv_cache_dtype,
         "results": results,
         "decode": decode,
         "mixed": mixed,
@@ -559,8 +565,10 @@ def render(result: dict[str, Any]) -> str:
             else "run eagerly"
         )
         scheduling = "asynchronous" if engine.get("async_scheduling") else "synchronous"
+        cache = "" if result.get("kv_cache_dtype", "auto") == "auto" else f"; KV cache {result['kv_cache_dtype']}"
         lines.append(
             f"\nengine: steps {how}; tensor parallel size {engine['tensor_parallel_size']}; {scheduling} scheduling"
+            f"{cache}"
         )
     experts = result["results"].get("transformers", {}).get("experts_implementation")
     if experts:
@@ -705,6 +713,7 @@ def main(args: Any) -> int:
             weights,
             args.async_scheduling,
             getattr(args, "mixed_requests", 0),
+            getattr(args, "kv_cache_dtype", "auto"),
         )
     except FlagError as exc:
         print(f"error: {exc}", file=sys.stderr)

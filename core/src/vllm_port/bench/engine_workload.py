@@ -360,6 +360,8 @@ def step_weight_bytes(w: Workload, experts: float | None = None) -> float:
     return w.num_layers * (attn + norms + mlp) + (h + w.vocab_size * h) * item
 
 
-def kv_token_bytes(w: Workload) -> int:
-    """Bytes of one token's keys and values over every layer (the cache in ``w.dtype``)."""
-    return 2 * w.num_layers * w.num_kv_heads * w.head_size * itemsize(w.dtype)
+def kv_token_bytes(w: Workload, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's keys and values over every layer: the cache in ``w.dtype``, or one byte an element
+    where ``kv_cache_dtype`` is an fp8 one (its per-tensor scales are a few bytes a layer, left out)."""
+    element = itemsize(w.dtype) if kv_cache_dtype == "auto" else 1
+    return 2 * w.num_layers * w.num_kv_heads * w.head_size * element
