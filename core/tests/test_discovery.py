@@ -99,6 +99,13 @@ BROKEN = {
         ),
         "name must be a non-empty identifier",
     ),
+    "describe with a kv_head_major that is no bool": (
+        healthy(
+            extra="@hookimpl\ndef vllm_port_platform_describe():\n"
+            "    return PlatformDescription('x', 'cpu', 1, 'gloo', kv_head_major='yes')\n"
+        ),
+        "kv_head_major must be a bool, got 'yes'",
+    ),
     "platform name taken": (healthy("cpu"), "describes platform 'cpu', which plugin 'cpu' already provides"),
 }
 

@@ -34,6 +34,7 @@ def test_json_selects_cpu_lists_every_plugin_and_smoke_passes():
         "compile_backend": "inductor",
         "memory_tiers": ["device"],
         "kv_block_size": 16,
+        "kv_head_major": True,
         "dist_backend": "gloo",
     }
     for plugin in report["plugins"]:

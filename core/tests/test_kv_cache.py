@@ -62,9 +62,9 @@ def test_caches_are_disjoint_views_of_one_buffer():
         assert t.untyped_storage().data_ptr() == kv.buffer.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("block_major", [False, True])
-def test_blocks_view_holds_block_b_of_every_layer(block_major):
-    kv = KVCache(FakeDevice(), LAYOUT, 8 * 512, block_major=block_major)
+@pytest.mark.parametrize(("block_major", "head_major"), [(False, False), (True, False), (False, True)])
+def test_blocks_view_holds_block_b_of_every_layer(block_major, head_major):
+    kv = KVCache(FakeDevice(), LAYOUT, 8 * 512, block_major=block_major, head_major=head_major)
     for layer in range(LAYOUT.num_layers):
         kv.key_caches[layer].copy_(torch.arange(8).view(8, 1, 1, 1) + 100 * layer)
         kv.value_caches[layer].copy_(-torch.arange(8).view(8, 1, 1, 1) - 100 * layer)
@@ -76,6 +76,31 @@ def test_blocks_view_holds_block_b_of_every_layer(block_major):
             assert torch.all(kv.blocks[b, 1, layer] == -b - 100 * layer)
     kv.close()
     assert kv.blocks.numel() == 0
+
+
+def test_a_head_major_cache_keeps_a_heads_rows_of_a_block_side_by_side_behind_the_contracts_shape():
+    kv = KVCache(FakeDevice(), LAYOUT, 8 * 512, head_major=True)
+    key = kv.key_caches[1]
+    assert key.shape == (8, 4, 2, 8)  # [num_blocks, block_size, num_kv_heads, head_size], as every cache
+    assert key.stride() == (4 * 2 * 8, 8, 4 * 8, 1)  # stored [num_blocks, num_kv_heads, block_size, head_size]
+    key.copy_(torch.arange(8 * 4 * 2 * 8).view(8, 4, 2, 8))
+    stored = kv.buffer.view(torch.bfloat16).view(2, 2, 8, 2, 4, 8)[0, 1]  # keys of layer 1, as they lie
+    assert torch.equal(stored, key.permute(0, 2, 1, 3))
+    assert torch.equal(stored[3, 1].flatten(), key[3, :, 1].flatten())  # block 3's rows of head 1: one run
+    kv.close()
+
+
+def test_a_cache_is_block_major_or_head_major_not_both():
+    with pytest.raises(MemoryContractError, match="block-major .* or head-major"):
+        KVCache(FakeDevice(), LAYOUT, 8 * 512, block_major=True, head_major=True)
+
+
+def test_the_cpu_platforms_device_cache_is_head_major_and_its_swap_tier_block_major():
+    runtime = vllm_port.load(plugins="cpu", device="cpu")
+    assert runtime.platform.kv_head_major
+    kv = runtime.kv_cache(LAYOUT, 8 * 512)
+    assert kv.head_major and not kv.block_major and kv.key_caches[0].stride(1) == LAYOUT.head_size
+    kv.close()
 
 
 def test_fraction_budget_follows_free_memory():

@@ -47,6 +47,13 @@ def caches(seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator):
         tables[i, :n] = order[used : used + n]
         used += n
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    if os.environ.get("HEAD_MAJOR"):  # each KV head's rows of a block side by side in memory, the same logical cache
+        stored = (num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+        layers = [
+            tuple(torch.randn(stored, generator=gen).to(dtype).permute(0, 2, 1, 3) for _ in range(2))
+            for _ in range(LAYERS)
+        ]
+        return layers, tables, torch.tensor(seq_lens, dtype=torch.int32)
     layers = [
         (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
         for _ in range(LAYERS)

@@ -141,6 +141,7 @@ def _platform_facts(description: Any) -> dict[str, Any]:
         "compile_backend": description.compile_backend,
         "memory_tiers": list(description.memory_tiers),
         "kv_block_size": description.kv_block_size,
+        "kv_head_major": description.kv_head_major,
         "dist_backend": description.dist_backend,
     }
 
@@ -251,7 +252,8 @@ def render(report: dict[str, Any]) -> str:
             lines.append(
                 f"  graph capture: {'yes' if facts['graph_capture'] else 'no'}; compile backend: "
                 f"{facts['compile_backend']}; memory tiers: {', '.join(facts['memory_tiers'])}; "
-                f"KV block size: {facts['kv_block_size']} tokens; comm: {facts['dist_backend']}"
+                f"KV block size: {facts['kv_block_size']} tokens"
+                f"{', head-major' if facts.get('kv_head_major') else ''}; comm: {facts['dist_backend']}"
             )
     if report["error"]:
         lines.append(f"Error: {report['error']}")

@@ -322,6 +322,9 @@ class KVCache:
     :param block_major: store each block's layers side by side (``[num_blocks, 2, num_layers, ...]``)
         instead of each layer's blocks (``[2, num_layers, num_blocks, ...]``, what attention kernels
         read). A swap tier wants it: every block is then one contiguous run that moves in one copy.
+    :param head_major: store each block's rows of one KV head side by side (a layer's keys
+        ``[num_blocks, num_kv_heads, block_size, head_size]`` in memory), seen through the contract's
+        ``[num_blocks, block_size, num_kv_heads, head_size]``: a platform's ``kv_head_major``.
     :raises MemoryContractError: for a budget larger than the device or holding no block.
     :raises OutOfMemoryError: when the device's free memory cannot hold the budget's blocks.
     """
@@ -333,7 +336,10 @@ class KVCache:
         budget: float | int,
         pool_factory: BlockPoolFactory | None = None,
         block_major: bool = False,
+        head_major: bool = False,
     ) -> None:
+        if block_major and head_major:
+            raise MemoryContractError("a KV cache is block-major (a swap tier) or head-major (a device's), not both")
         free, total = allocator.mem_info()
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise MemoryContractError(
@@ -359,12 +365,16 @@ class KVCache:
         self.budget_bytes = budget_bytes
         self.num_blocks: int = self.pool.num_blocks
         self.buffer = allocator.allocate(self.num_blocks * block_bytes)
-        self.block_major = block_major
+        self.block_major, self.head_major = block_major, head_major
         block = (layout.block_size, layout.num_kv_heads, layout.head_size)
         elements = self.buffer.view(layout.dtype)
         if block_major:
             blocks = elements.view(self.num_blocks, 2, layout.num_layers, *block)
             caches = blocks.permute(1, 2, 0, 3, 4, 5)
+        elif head_major:  # stored with the head before the token; seen token before head, as the contract says
+            stored = elements.view(2, layout.num_layers, self.num_blocks, layout.num_kv_heads, *block[::2])
+            caches = stored.permute(0, 1, 2, 4, 3, 5)
+            blocks = caches.permute(2, 0, 1, 3, 4, 5)
         else:
             caches = elements.view(2, layout.num_layers, self.num_blocks, *block)
             blocks = caches.permute(2, 0, 1, 3, 4, 5)

@@ -51,6 +51,12 @@ class PlatformDescription:
         memory_tiers: the tiers blocks may live in, fastest first (``"device"``, ``"pinned_host"``).
         kv_block_size: tokens per KV-cache block the platform's attention kernels run fastest with;
             engines use it unless the user chooses (``LLM(block_size=...)``).
+        kv_head_major: whether the device tier's KV cache keeps each KV head's rows of a block side by side
+            in memory (stored ``[num_blocks, num_kv_heads, block_size, head_size]``). The caches the ops are
+            given keep the contract's shape, ``[num_blocks, block_size, num_kv_heads, head_size]``, with those
+            strides, so every provider must take strided caches (the conformance suite gives them such
+            caches too). A kernel that reads one KV head's rows then reads a block's in one run: the CPU
+            decode attention is bound by those reads (``docs/results/engine-cpu.md``).
     """
 
     name: str
@@ -61,6 +67,7 @@ class PlatformDescription:
     compile_backend: str = "inductor"
     memory_tiers: tuple[str, ...] = ("device",)
     kv_block_size: int = 16
+    kv_head_major: bool = False
 
     def __post_init__(self) -> None:
         size = self.kv_block_size
@@ -104,6 +111,8 @@ def validate_description(value: Any) -> PlatformDescription:
         raise ValueError(f"PlatformDescription.priority must be an int, got {value.priority!r}")
     if not isinstance(value.graph_capture, bool):
         raise ValueError(f"PlatformDescription.graph_capture must be a bool, got {value.graph_capture!r}")
+    if not isinstance(value.kv_head_major, bool):
+        raise ValueError(f"PlatformDescription.kv_head_major must be a bool, got {value.kv_head_major!r}")
     if not value.memory_tiers or not all(isinstance(t, str) and t for t in value.memory_tiers):
         raise ValueError(f"PlatformDescription.memory_tiers must name at least one tier, got {value.memory_tiers!r}")
     return value

@@ -276,10 +276,18 @@ class Runtime:
     def kv_cache(self, layout: KVLayout, budget: float | int, tier: str = "device") -> KVCache:
         """The paged KV cache of ``layout`` in ``budget`` (a fraction of free memory, or bytes) in ``tier``.
 
-        The device tier is laid out for the attention kernels; other tiers (swap space) are
-        block-major, so the migrator moves each block in one piece.
+        The device tier is laid out for the attention kernels (head-major where the platform says
+        ``kv_head_major``); other tiers (swap space) are block-major, so the migrator moves each block in one piece.
         """
-        return KVCache(self.allocator(tier), layout, budget, self.block_pool_factory(), block_major=tier != "device")
+        device = tier == "device"
+        return KVCache(
+            self.allocator(tier),
+            layout,
+            budget,
+            self.block_pool_factory(),
+            block_major=not device,
+            head_major=device and self.platform.kv_head_major,
+        )
 
     def graph_capture(self) -> GraphCapture | None:
         """The platform's graph capture, or ``None`` when it has none (a runner then runs eagerly)."""

@@ -14,8 +14,10 @@ the last batch left there) nor any cache slot is read for it. Slot -1 in ``slot_
 padded token: nothing is written for it.
 
 Layout: ``query``, ``key``, ``value`` may be strided views (slices of a fused QKV projection), and
-so may the caches (``key_cache = kv[:, 0]`` of a ``[num_blocks, 2, block_size, ...]`` buffer);
-outputs are new contiguous tensors; the caches are written through their views only.
+so may the caches (``key_cache = kv[:, 0]`` of a ``[num_blocks, 2, block_size, ...]`` buffer, or a
+head-major cache: stored ``[num_blocks, num_kv_heads, block_size, head_size]`` and seen through the
+contract's shape, as a platform with ``kv_head_major`` allocates it); outputs are new contiguous tensors;
+the caches are written through their views only. The last dimension of every tensor is contiguous.
 """
 
 from __future__ import annotations
@@ -460,12 +462,22 @@ def prefill_attend(
 # ------------------------------------------------------------------------------------------------
 
 
-def _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size, interleaved=False):
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values stored ``[num_blocks, num_kv_heads, block_size, head_size]``, seen as the contract's shape."""
+    stored = torch.empty(
+        (cache.shape[0], cache.shape[2], cache.shape[1], cache.shape[3]), dtype=cache.dtype, device=cache.device
+    )
+    stored.copy_(cache.permute(0, 2, 1, 3))
+    return stored.permute(0, 2, 1, 3)
+
+
+def _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size, interleaved=False, head_major=False):
     """Caches with the sequences' blocks scattered at random, every slot no sequence owns set to NaN.
 
     Unused block-table entries (and a padded sequence's whole row) point at a NaN block. With
     ``interleaved``, the caches are ``kv[:, 0]`` and ``kv[:, 1]`` of one ``[num_blocks, 2, ...]``
-    buffer: views whose blocks are two blocks apart.
+    buffer: views whose blocks are two blocks apart. With ``head_major``, each is stored head before
+    token (:func:`_head_major`): a KV head's rows of a block side by side.
     """
     need = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(need) + 2
@@ -490,6 +502,8 @@ def _paged_batch(gen, device, dtype, seq_lens, kv_heads, head_size, block_size, 
         key_cache, value_cache = kv[:, 0], kv[:, 1]
     else:
         key_cache, value_cache = key_cache.to(device, dtype), value_cache.to(device, dtype)
+    if head_major:
+        key_cache, value_cache = _head_major(key_cache), _head_major(value_cache)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return key_cache, value_cache, tables.to(device), lens.to(device)
 
@@ -508,8 +522,9 @@ def _queries(gen, device, dtype, tokens, heads, kv_heads, head_size, scale, fuse
 def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
     def case(label, seq_lens, heads, kv_heads, head_size=64, block_size=16, window=0, cap=0.0, **kw):
         kc, vc, tables, lens = _paged_batch(
-            gen, device, dtype, seq_lens, kv_heads, head_size, block_size, kw.get("interleaved", False)
-        )
+            gen, device, dtype, seq_lens, kv_heads, head_size, block_size, kw.get("interleaved", False),
+            kw.get("head_major", False),
+        )  # fmt: skip
         q_scale, fused = kw.get("q_scale", 1.0), kw.get("fused", False)
         q = _queries(gen, device, dtype, len(seq_lens), heads, kv_heads, head_size, q_scale, fused)
         scale = kw.get("scale", head_size**-0.5)
@@ -549,6 +564,18 @@ def _decode_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generat
         case("sharp attention", [64, 300, 517, 1000, 33, 129, 700, 1500], 8, 2, head_size=128, q_scale=4.0),
         case("padded batch (seq_lens 0)", [17, 0, 33, 0], 4, 2),
         case("query a slice of a fused qkv, interleaved caches", boundaries, 4, 2, fused=True, interleaved=True),
+        # a KV head's rows of a block side by side (a kv_head_major platform's cache): token and head strides swap
+        case("head-major caches, gqa 2", [*boundaries, 100], 8, 4, head_major=True),
+        case(
+            "head-major caches, head 128, block size 128, window 100",
+            [5, 200],
+            8,
+            2,
+            head_size=128,
+            block_size=128,
+            window=100,
+            head_major=True,
+        ),
         case("one sequence", [37], 4, 2),
         # a batch of one over a context that ends inside a key partition (split-KV kernels' last partial split)
         case("one sequence, 1000-token context", [1000], 8, 2, head_size=128),
@@ -569,8 +596,9 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
         padded = kw.get("padded", ())  # sequences of seq_lens 0 that still own query rows (padding tokens)
         seq_lens = [0 if i in padded else p + q for i, (p, q) in enumerate(zip(prefixes, q_lens, strict=True))]
         kc, vc, tables, lens = _paged_batch(
-            gen, device, dtype, seq_lens, kv_heads, head_size, block_size, kw.get("interleaved", False)
-        )
+            gen, device, dtype, seq_lens, kv_heads, head_size, block_size, kw.get("interleaved", False),
+            kw.get("head_major", False),
+        )  # fmt: skip
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
         q_scale, fused = kw.get("q_scale", 1.0), kw.get("fused", False)
         q = _queries(gen, device, dtype, sum(q_lens), heads, kv_heads, head_size, q_scale, fused)
@@ -647,6 +675,7 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
             interleaved=True,
         ),
         case("one sequence of one token", [1], [0], 4, 2),
+        case("head-major caches, paged prefix, gqa 2", [3, 20, 1], [16, 21, 40], 8, 4, head_major=True),
         case("65 sequences (past a 64-row tile)", [1, 2, 3, 4, 5] * 13, [0, 7, 16, 3, 30] * 13, 4, 2),
         case("llama2-7b mha (32 kv heads x 128)", [65, 3], [0, 40], 32, 32, head_size=128, large=True),
         case("soft cap 5 with sliding window 8, sharp scores", [20, 3], [0, 30], 4, 2, window=8, cap=5.0, q_scale=4.0),
@@ -655,7 +684,9 @@ def _prefill_samples(dtype: torch.dtype, device: torch.device, gen: torch.Genera
 
 
 def _cache_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[SampleInput]:
-    def case(label, tokens, num_blocks, block_size, kv_heads, head_size, skip=0, ends_free=False, views=False):
+    def case(
+        label, tokens, num_blocks, block_size, kv_heads, head_size, skip=0, ends_free=False, views=False, heads=False
+    ):
         shape = (num_blocks, block_size, kv_heads, head_size)
         if views:  # caches kv[:, 0], kv[:, 1] of one buffer; key and value slices of a fused qkv
             kv = torch.randn(num_blocks, 2, *shape[1:], generator=gen).to(device, dtype)
@@ -668,6 +699,8 @@ def _cache_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generato
             vc = torch.randn(shape, generator=gen).to(device, dtype)
             k = torch.randn(tokens, kv_heads, head_size, generator=gen).to(device, dtype)
             v = torch.randn(tokens, kv_heads, head_size, generator=gen).to(device, dtype)
+        if heads:  # head-major caches: a kv_head_major platform's
+            kc, vc = _head_major(kc), _head_major(vc)
         # with ends_free, no real token goes to slot 0 or the last slot: a padded token's stray write shows there
         first, end = (1, num_blocks * block_size - 1) if ends_free else (0, num_blocks * block_size)
         slots = first + torch.randperm(end - first, generator=gen)[:tokens]
@@ -681,6 +714,7 @@ def _cache_samples(dtype: torch.dtype, device: torch.device, gen: torch.Generato
         case("block size 8, head size 80", 20, 6, 8, 2, 80, skip=2),
         case("block size 32, head size 256", 40, 4, 32, 1, 256, skip=3),
         case("key and value slices of a fused qkv, interleaved caches", 9, 4, 16, 2, 64, skip=2, views=True),
+        case("head-major caches", 20, 4, 16, 4, 64, skip=2, heads=True),
         case("one token", 1, 4, 16, 2, 64),
         case("65 tokens (past a 64-row tile)", 65, 8, 16, 2, 64, skip=2),
         # multi-head attention: 32 KV heads of 128, 4096-wide cache rows

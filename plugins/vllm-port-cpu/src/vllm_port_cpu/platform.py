@@ -28,6 +28,9 @@ def describe() -> PlatformDescription:
         graph_capture=False,
         compile_backend="inductor",
         memory_tiers=("device",),
+        # the decode attention reads one KV head's rows of each block: side by side, they stream (about a
+        # quarter less time a call at the engine's shape, docs/results/engine-cpu.md)
+        kv_head_major=True,
     )
 
 
