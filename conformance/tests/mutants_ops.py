@@ -405,6 +405,21 @@ def cache_offsets_from_shape(
     return _decode(query, kc, vc, block_tables, seq_lens, scale, sliding_window, soft_cap)
 
 
+def cache_rows_in_token_order(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=0, soft_cap=0.0
+):
+    check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap)
+
+    # the block stride is read, a block's rows are assumed token before head: right for every cache but a head-major one
+    def token_major(cache):
+        _, _, kv_heads, head_size = cache.shape
+        return cache.as_strided(cache.shape, (cache.stride(0), kv_heads * head_size, head_size, 1))
+
+    return _decode(
+        query, token_major(key_cache), token_major(value_cache), block_tables, seq_lens, scale, sliding_window, soft_cap
+    )
+
+
 def residual_written_packed(x, residual, weight, epsilon):
     check_fused_add_rms_norm(x, residual, weight, epsilon)
     total = x + residual
@@ -636,6 +651,7 @@ def vllm_port_providers():
         one("rotary_embedding", "copying_rotary_embedding", rotates_a_copy, "bfloat16"),
         one("linear", "packed_weight_linear", reads_weight_packed, "bfloat16"),
         one("paged_attention", "packed_cache_paged_attention", cache_offsets_from_shape, "bfloat16"),
+        one("paged_attention", "token_major_cache_paged_attention", cache_rows_in_token_order, "bfloat16"),
         one("fused_add_rms_norm", "packed_residual_fused_add_rms_norm", residual_written_packed, "bfloat16"),
         one("paged_attention", "modulo_gqa_paged_attention", kv_head_by_modulo, "bfloat16"),
         one("paged_attention", "full_blocks_paged_attention", whole_blocks_only, "bfloat16"),
@@ -778,6 +794,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _op_mutant("packed_cache_paged_attention", "paged_attention", "bfloat16", _STRIDES,
                "decode computes slot addresses from the cache's shape, not its strides",
                "query a slice of a fused qkv, interleaved caches"),
+    _op_mutant("token_major_cache_paged_attention", "paged_attention", "bfloat16", _STRIDES,
+               "decode reads the cache's block stride but takes a block's rows as token before head: a head-major "
+               "cache (a kv_head_major platform's) is read across its heads",
+               "head-major caches, gqa 2"),
     _op_mutant("packed_residual_fused_add_rms_norm", "fused_add_rms_norm", "bfloat16", _STRIDES,
                "the new residual is stored as packed rows from the view's first element, over memory outside the view",
                "x a slice of a wider row", "outside the view"),
