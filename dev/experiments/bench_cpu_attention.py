@@ -11,6 +11,8 @@ Each call rotates over 8 layers' caches, as a step does, so K/V come from memory
 left warm by the previous call. Prints the median time per call of each provider, the speedup,
 and the load average before and after (the machine is shared: compare only rows of one run).
 ``NO_CHECK=1`` skips the check against the reference first (for variants that leave work out on purpose).
+``HEAD_MAJOR=1`` stores the caches head before token, as the CPU platform's engine does (``kv_head_major``);
+unset or ``0``, token before head, the contract's shape as stored.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def caches(seq_lens: list[int], dtype: torch.dtype, gen: torch.Generator):
         tables[i, :n] = order[used : used + n]
         used += n
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
-    if os.environ.get("HEAD_MAJOR"):  # each KV head's rows of a block side by side in memory, the same logical cache
+    # HEAD_MAJOR=1: each KV head's rows of a block side by side in memory, the same logical cache
+    if os.environ.get("HEAD_MAJOR") == "1":
         stored = (num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
         layers = [
             tuple(torch.randn(stored, generator=gen).to(dtype).permute(0, 2, 1, 3) for _ in range(2))

@@ -27,8 +27,6 @@ def _generate(model_dir, runtime, batch):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_head_major_and_token_major_caches_generate_the_same_tokens(engine_models, family, monkeypatch):
-    if family not in engine_models:
-        pytest.skip(f"no tiny {family} checkpoint among {sorted(engine_models)}")
     shared = prompts([19], seed=4)[0]  # a prefix of more than one 16-token block, cached for the second prompt
     batch = [shared + prompts([5], seed=5)[0], shared + prompts([33], seed=6)[0], prompts([1], seed=7)[0]]
     head_major, was_head_major = _generate(engine_models[family], vllm_port.load(plugins="cpu"), batch)
