@@ -24,9 +24,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=None, help="KV-cache block (default: the platform's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model_dir, dtype="bfloat16")
+    llm = LLM(args.model_dir, dtype="bfloat16", block_size=args.block_size)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 32000, (128,), generator=gen).tolist()} for _ in range(64)]
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

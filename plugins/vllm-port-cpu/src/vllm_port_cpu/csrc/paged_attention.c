@@ -41,6 +41,14 @@
  * work at the kernel's pace (measured on Zen 4: 8 bfloat16 rows of 64 leave it waiting, 24 do not). */
 #define PREFETCH_BYTES 3072
 
+/* AVX-512 BF16 (vdpbf16ps: float32 sums of exact bfloat16 products): a bfloat16 decode reads its K and V
+ * rows in place, products straight from K and V widened in registers, with no float32 copy of either. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
 int vp_has_float16(void) { return HAVE_F16; }
 
 /* ---------------------------------------------------------------------------------------------
@@ -137,13 +145,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * products sum into a vector of its own; a transposing tree then adds the 16 vectors lane-wise in
  * 45 shuffles and adds, where a reduction per key (dot above) costs 16 dependent chains. With 12
  * query heads over 4 KV heads a decode call took a quarter to a third less CPU time (issue 30). */
-static inline __m512 dot16(const float *q, const float *const *keys, int64_t n) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        const __m512 qi = _mm512_loadu_ps(q + i);
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[j] + i), acc[j]);
-    }
+static inline __m512 sum16(const __m512 *acc) {
     /* keys 2m, 2m+1 (a, b): [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane */
     __m512 pairs[8];
     for (int m = 0; m < 8; m++)
@@ -161,6 +163,41 @@ static inline __m512 dot16(const float *q, const float *const *keys, int64_t n) 
     const __m512 second = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
                                         _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(first, second, 0x88), _mm512_shuffle_f32x4(first, second, 0xdd));
+}
+
+static inline __m512 dot16(const float *q, const float *const *keys, int64_t n) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 qi = _mm512_loadu_ps(q + i);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[j] + i), acc[j]);
+    }
+    return sum16(acc);
+}
+
+/* 16 bfloat16 elements widened to float32 in a register (bfloat16 is the top half of a float32). */
+static inline __m512 widen16(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+#endif
+
+#if HAVE_DPBF16
+/* dot16 on bfloat16 rows as stored (n a multiple of 32): each vdpbf16ps adds two exact products a lane. */
+static inline __m512 dot16_bf16(const uint16_t *q, const uint16_t *const *keys, int64_t n) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512bh qi = (__m512bh)_mm512_loadu_si512(q + i);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_dpbf16_ps(acc[j], qi, (__m512bh)_mm512_loadu_si512(keys[j] + i));
+    }
+    return sum16(acc);
+}
+
+static inline float dot_bf16(const uint16_t *q, const uint16_t *k, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+    return _mm512_reduce_add_ps(acc);
 }
 #endif
 
@@ -225,12 +262,13 @@ typedef struct { /* per-thread scratch, sized for the largest tile (rows padded 
     float *q, *acc, *scores, *m, *l, *chunk_max, *sums, *keys, *values;
     int32_t *positions;
     const float **key_rows, **value_rows;
+    const uint16_t **raw_q, **raw_keys, **raw_values; /* a bfloat16 decode's rows as stored (HAVE_DPBF16) */
 } scratch_t;
 
 static int scratch_alloc(scratch_t *s, int64_t max_rows, int64_t head_size) {
     max_rows = (max_rows + 15) & ~(int64_t)15;
     size_t floats = (size_t)max_rows * (2 * head_size + KEY_CHUNK + 5) + 2 * (size_t)KEY_CHUNK * head_size;
-    float *all = (float *)malloc(floats * sizeof(float) + 2 * KEY_CHUNK * sizeof(float *));
+    float *all = (float *)malloc(floats * sizeof(float) + (4 * KEY_CHUNK + max_rows) * sizeof(float *));
     if (!all) return 0;
     s->q = all;
     s->acc = s->q + max_rows * head_size;
@@ -244,6 +282,9 @@ static int scratch_alloc(scratch_t *s, int64_t max_rows, int64_t head_size) {
     s->values = s->keys + KEY_CHUNK * head_size;
     s->key_rows = (const float **)(s->values + KEY_CHUNK * head_size);
     s->value_rows = s->key_rows + KEY_CHUNK;
+    s->raw_keys = (const uint16_t **)(s->value_rows + KEY_CHUNK);
+    s->raw_values = s->raw_keys + KEY_CHUNK;
+    s->raw_q = s->raw_values + KEY_CHUNK;
     return 1;
 }
 
@@ -294,24 +335,27 @@ static inline void cursor_next(const cache_t *c, int64_t seq, int64_t kv_head, i
  * within a block, a jump between blocks): the hardware prefetcher does not see them coming, and
  * without this the kernel waits on memory latency for every row. */
 static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
 }
 
 /*
  * For ROWS rows j: acc[j * d + i] += sum over t < n of p[t * pt + j * pr] * v[t][i]. With AVX-512 the
  * partial sums of a 64-column slab of every row stay in registers across the keys, and each V load
- * serves all the rows (the query heads of a group share their keys).
+ * serves all the rows (the query heads of a group share their keys). v[t] is a float32 row, or with RAW
+ * a bfloat16 row as stored, widened in registers.
  */
 #ifdef __AVX512F__
 static inline __attribute__((always_inline)) void weighted_slab(float *acc, const float *p, int64_t pt, int64_t pr,
-                                                                const float *const *v, int64_t n, int64_t d,
-                                                                int64_t i, const int ROWS, const int COLS) {
+                                                                const void *const *v, int64_t n, int64_t d,
+                                                                int64_t i, const int ROWS, const int COLS,
+                                                                const int RAW) {
     __m512 a[4][4];
     for (int j = 0; j < ROWS; j++)
         for (int k = 0; k < COLS; k++) a[j][k] = _mm512_loadu_ps(acc + j * d + i + 16 * k);
     for (int64_t t = 0; t < n; t++) {
         __m512 vt[4];
-        for (int k = 0; k < COLS; k++) vt[k] = _mm512_loadu_ps(v[t] + i + 16 * k);
+        for (int k = 0; k < COLS; k++)
+            vt[k] = RAW ? widen16((const uint16_t *)v[t] + i + 16 * k) : _mm512_loadu_ps((const float *)v[t] + i + 16 * k);
         for (int j = 0; j < ROWS; j++) {
             const __m512 pj = _mm512_set1_ps(p[t * pt + j * pr]);
             for (int k = 0; k < COLS; k++) a[j][k] = _mm512_fmadd_ps(pj, vt[k], a[j][k]);
@@ -323,36 +367,51 @@ static inline __attribute__((always_inline)) void weighted_slab(float *acc, cons
 #endif
 
 static inline __attribute__((always_inline)) void weighted_block(float *acc, const float *p, int64_t pt, int64_t pr,
-                                                                 const float *const *v, int64_t n, int64_t d,
-                                                                 const int ROWS) {
+                                                                 const void *const *v, int64_t n, int64_t d,
+                                                                 const int ROWS, const int RAW) {
 #ifdef __AVX512F__
     if ((d & 15) == 0) {
         int64_t i = 0;
-        for (; i + 64 <= d; i += 64) weighted_slab(acc, p, pt, pr, v, n, d, i, ROWS, 4);
-        for (; i < d; i += 16) weighted_slab(acc, p, pt, pr, v, n, d, i, ROWS, 1);
+        for (; i + 64 <= d; i += 64) weighted_slab(acc, p, pt, pr, v, n, d, i, ROWS, 4, RAW);
+        for (; i < d; i += 16) weighted_slab(acc, p, pt, pr, v, n, d, i, ROWS, 1, RAW);
         return;
     }
 #endif
-    for (int j = 0; j < ROWS; j++)
+    for (int j = 0; j < ROWS; j++) /* RAW is never asked for without AVX-512 */
         for (int64_t t = 0; t < n; t++) {
-            const float pj = p[t * pt + j * pr], *vt = v[t];
+            const float pj = p[t * pt + j * pr], *vt = (const float *)v[t];
             float *aj = acc + j * d;
 #pragma omp simd
             for (int64_t i = 0; i < d; i++) aj[i] += pj * vt[i];
         }
 }
 
-/* weighted_block over any number of rows that see the same keys, four at a time. */
+/* weighted_block over any number of rows that see the same keys, four at a time, then three, two or one:
+ * a group of three query heads reads each V row once. */
+static inline __attribute__((always_inline)) void weighted_rows_of(float *acc, const float *p, int64_t pt, int64_t pr,
+                                                                   const void *const *v, int64_t n, int64_t d,
+                                                                   int64_t rows, const int RAW) {
+    int64_t j = 0;
+    for (; j + 4 <= rows; j += 4) weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 4, RAW);
+    if (rows - j == 3)
+        weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 3, RAW);
+    else if (rows - j == 2)
+        weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 2, RAW);
+    else if (rows - j == 1)
+        weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 1, RAW);
+}
+
 static void weighted_rows(float *acc, const float *p, int64_t pt, int64_t pr, const float *const *v, int64_t n,
                           int64_t d, int64_t rows) {
-    int64_t j = 0;
-    for (; j + 4 <= rows; j += 4) weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 4);
-    if (j + 2 <= rows) {
-        weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 2);
-        j += 2;
-    }
-    if (j < rows) weighted_block(acc + j * d, p + j * pr, pt, pr, v, n, d, 1);
+    weighted_rows_of(acc, p, pt, pr, (const void *const *)v, n, d, rows, 0);
 }
+
+#if HAVE_DPBF16
+static void weighted_rows_bf16(float *acc, const float *p, int64_t pt, int64_t pr, const uint16_t *const *v,
+                               int64_t n, int64_t d, int64_t rows) {
+    weighted_rows_of(acc, p, pt, pr, (const void *const *)v, n, d, rows, 1);
+}
+#endif
 
 /* The keys of a chunk starting at position c0 (n of them) that the query at qpos sees: [*lo, *hi). */
 static inline void visible_range(int64_t qpos, int64_t window, int64_t c0, int64_t n, int64_t *lo, int64_t *hi) {
@@ -364,9 +423,11 @@ static inline void visible_range(int64_t qpos, int64_t window, int64_t c0, int64
 /*
  * Scores of one chunk for rows stored one after another (decode: the group's heads of one query):
  * a dot product per (row, key), then the online-softmax update and the weighted V rows per row.
+ * RAW: the rows are bfloat16 as stored (s->raw_q, raw_keys, raw_values), the scores scaled after the products.
  */
-static void chunk_by_rows(const cache_t *c, const scratch_t *s, int64_t tokens, int64_t first_pos, int64_t c0,
-                          int64_t n) {
+static inline __attribute__((always_inline)) void chunk_by_rows(const cache_t *c, const scratch_t *s, int64_t tokens,
+                                                                int64_t first_pos, int64_t c0, int64_t n,
+                                                                const int RAW) {
     const int64_t d = c->head_size, group = c->group;
     for (int64_t qi = 0; qi < tokens; qi++) {
         int64_t lo, hi;
@@ -377,11 +438,20 @@ static void chunk_by_rows(const cache_t *c, const scratch_t *s, int64_t tokens, 
             float *sc = s->scores + r * KEY_CHUNK, chunk_max = -INFINITY;
             const float *q = s->q + r * d;
             int64_t t = lo;
+#if HAVE_DPBF16
+            if (RAW) {
+                const __m512 scale = _mm512_set1_ps(c->scale);
+                for (; t + 16 <= hi; t += 16)
+                    _mm512_storeu_ps(sc + t, _mm512_mul_ps(dot16_bf16(s->raw_q[r], s->raw_keys + t, d), scale));
+                for (; t < hi; t++) sc[t] = dot_bf16(s->raw_q[r], s->raw_keys[t], d) * c->scale;
+            }
+#endif
 #ifdef __AVX512F__
-            if ((d & 15) == 0)
+            if (!RAW && (d & 15) == 0)
                 for (; t + 16 <= hi; t += 16) _mm512_storeu_ps(sc + t, dot16(q, s->key_rows + t, d));
 #endif
-            for (; t < hi; t++) sc[t] = dot(q, s->key_rows[t], d);
+            if (!RAW)
+                for (; t < hi; t++) sc[t] = dot(q, s->key_rows[t], d);
             for (t = lo; t < hi; t++) {
                 float score = sc[t];
                 if (c->soft_cap > 0.0f) score = soft_capped(score, c->soft_cap);
@@ -413,6 +483,13 @@ static void chunk_by_rows(const cache_t *c, const scratch_t *s, int64_t tokens, 
             s->l[r] += sum;
         }
         const int64_t r0 = qi * group; /* the group's rows see the same keys */
+#if HAVE_DPBF16
+        if (RAW) {
+            weighted_rows_bf16(s->acc + r0 * d, s->scores + r0 * KEY_CHUNK + lo, 1, KEY_CHUNK, s->raw_values + lo,
+                               hi - lo, d, group);
+            continue;
+        }
+#endif
         weighted_rows(s->acc + r0 * d, s->scores + r0 * KEY_CHUNK + lo, 1, KEY_CHUNK, s->value_rows + lo, hi - lo, d,
                       group);
     }
@@ -561,6 +638,7 @@ static inline __attribute__((always_inline)) int attend(
     const int64_t prefetch_rows = PREFETCH_BYTES / row_bytes > 4 ? PREFETCH_BYTES / row_bytes : 4;
     /* a prefill tile puts its rows across vector lanes; decode's few rows (one query token) go one by one */
     const int by_lanes = tokens > 1, lanes = (rows + 15) & ~(int64_t)15;
+    const int raw = HAVE_DPBF16 && dtype == DT_BF16 && !by_lanes && (d & 31) == 0; /* rows read as stored */
     for (int64_t r = 0; r < lanes; r++) {
         const int64_t qi = r / group, g = r % group;
         s->positions[r] = r < rows ? (int32_t)(first_pos + qi) : -1; /* a padding lane sees nothing */
@@ -569,8 +647,15 @@ static inline __attribute__((always_inline)) int attend(
                 for (int64_t i = 0; i < d; i++) s->q[i * lanes + r] = 0.0f;
             continue;
         }
-        const float *q = widen(query + (qi * q_token_stride + (kv_head * group + g) * q_head_stride) * elem,
-                               s->keys, d, dtype);
+        const char *q_row = query + (qi * q_token_stride + (kv_head * group + g) * q_head_stride) * elem;
+        if (raw) {
+            s->raw_q[r] = (const uint16_t *)q_row;
+            memset(s->acc + r * d, 0, (size_t)d * sizeof(float));
+            s->m[r] = -INFINITY;
+            s->l[r] = 0.0f;
+            continue;
+        }
+        const float *q = widen(q_row, s->keys, d, dtype);
         if (by_lanes)
             for (int64_t i = 0; i < d; i++) s->q[i * lanes + r] = q[i] * c->scale;
         else {
@@ -610,15 +695,22 @@ static inline __attribute__((always_inline)) int attend(
                 }
                 cursor_next(c, seq, kv_head, elem, &ahead);
             }
-            s->key_rows[t] = widen(at.key, s->keys + t * d, d, dtype);
-            s->value_rows[t] = widen(at.value, s->values + t * d, d, dtype);
+            if (raw) {
+                s->raw_keys[t] = (const uint16_t *)at.key;
+                s->raw_values[t] = (const uint16_t *)at.value;
+            } else {
+                s->key_rows[t] = widen(at.key, s->keys + t * d, d, dtype);
+                s->value_rows[t] = widen(at.value, s->values + t * d, d, dtype);
+            }
             if (t + 1 < n) cursor_next(c, seq, kv_head, elem, &at);
         }
         if (c0 + n <= last_pos) cursor_next(c, seq, kv_head, elem, &at);
         if (by_lanes)
             chunk_by_lanes(c, s, rows, lanes, c0, n);
+        else if (raw)
+            chunk_by_rows(c, s, tokens, first_pos, c0, n, 1);
         else
-            chunk_by_rows(c, s, tokens, first_pos, c0, n);
+            chunk_by_rows(c, s, tokens, first_pos, c0, n, 0);
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t qi = r / group, g = r % group;
