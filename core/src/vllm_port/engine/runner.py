@@ -404,7 +404,7 @@ class ModelRunner:
                 # times faster than over bfloat16/float16 on CPU (a few ms a step over 32000 columns)
                 wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 finite = wide.sum(dim=-1).isfinite()
-                sampled = wide.argmax(dim=-1)
+                sampled = _argmax_rows(wide)
             pending = PendingStep(
                 self, batch, sampled, finite, logits, captured, lambda: self.step(ids, positions, self.kv_caches, meta, rows),
                 prompt_rows, prompt_logits,
@@ -703,6 +703,35 @@ def _top_logprobs(
         TopLogprobs(token, v[0], i[0], tuple(zip(i[1 : 1 + n], v[1 : 1 + n], strict=True)))
         for v, i, token, n in zip(values, indices, token_ids, wanted, strict=True)
     ]
+
+
+#: Columns per chunk of :func:`_argmax_rows`'s first pass.
+_ARGMAX_CHUNK = 128
+
+
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, the same ids (the first maximum; the first NaN where there is one).
+
+    On CPU in two passes: torch's CPU argmax walks each row with its index in scalar code (1-2 ms a decode step
+    over 64 x 32,000 float32 logits on a 2-core EPYC), where the maxima of 128-column chunks are one vectorised
+    ``amax``. The first chunk holding a row's maximum holds its first maximum; its own argmax gives the column.
+    Columns past the last whole chunk are compared after, a later column winning only when strictly larger (or
+    NaN where the rest has none). On other devices ``argmax`` is one kernel already.
+    """
+    rows, cols = x.shape
+    if x.device.type != "cpu" or cols < 2 * _ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    body = cols - cols % _ARGMAX_CHUNK
+    chunks = x[:, :body].reshape(rows, body // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    every_row = torch.arange(rows, device=x.device)
+    chunk = chunks.amax(dim=-1).argmax(dim=-1)
+    ids = chunk * _ARGMAX_CHUNK + chunks[every_row, chunk].argmax(dim=-1)
+    if body < cols:
+        tail_max, tail_id = x[:, body:].max(dim=-1)
+        best = x[every_row, ids]
+        later = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
+        ids = torch.where(later, tail_id + body, ids)
+    return ids
 
 
 def _non_finite_row(row: torch.Tensor) -> str:
