@@ -103,3 +103,32 @@ def test_samples_sharing_a_partial_prompt_block_copy_it_in_the_fp8_cache(llama_m
     params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(range(5, 18))}], params)  # 13 tokens: the 4th block partial
     assert [len(c.token_ids) for c in outs[0].outputs] == [20, 20, 20]
+
+
+def _flat(cache_dtype):
+    from vllm_port.engine.runner import flat_step
+    from vllm_port.flat import FlatModel
+
+    def make_step(runner):
+        dtype = runner.layout.dtype if cache_dtype == "runner" else cache_dtype
+        flat = FlatModel(runner.model, runner.runtime, compile=False, block_size=runner.block_size, cache_dtype=dtype)
+        return flat_step(flat)
+
+    return make_step
+
+
+def test_the_flat_graphs_traced_for_the_fp8_cache_generate_what_the_model_forward_does(llama_model, cpu_runtime):
+    """The flat graphs (the default step where the platform captures graphs) trace the ``*_fp8`` cache ops when told
+    the cache's dtype: before, a GPU engine with ``kv_cache_dtype="fp8"`` called ``reshape_and_cache`` on it."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batch = prompts([9, 17, 30])
+    eager = make_llm(llama_model, cpu_runtime, kv_cache_dtype="fp8")
+    flat = make_llm(llama_model, cpu_runtime, kv_cache_dtype="fp8", make_step=_flat("runner"))
+    want = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    assert [o.outputs[0].token_ids for o in flat.generate(batch, params)] == want
+
+
+def test_flat_graphs_refuse_a_cache_of_another_dtype_naming_both(llama_model, cpu_runtime):
+    llm = make_llm(llama_model, cpu_runtime, kv_cache_dtype="fp8", make_step=_flat(None))
+    with pytest.raises(ValueError, match=r"traced for KV caches of torch.float32, given torch.float8_e4m3fn"):
+        llm.generate(prompts([5]), SamplingParams(max_tokens=2))

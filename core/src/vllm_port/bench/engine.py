@@ -110,7 +110,10 @@ def run_engine(
         from ..flat import FlatModel
 
         def make_step(runner: Any) -> Any:
-            return flat_step(FlatModel(runner.model, runner.runtime))
+            flat = FlatModel(
+                runner.model, runner.runtime, block_size=runner.block_size, cache_dtype=runner.layout.dtype
+            )
+            return flat_step(flat)
 
     llm = LLM(
         str(model_dir),

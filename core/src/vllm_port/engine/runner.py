@@ -126,7 +126,14 @@ def default_step(runner: ModelRunner, own_ops: bool = True) -> StepFunction:
     if own_ops and runner.runtime.platform.graph_capture:
         from ..flat import FlatModel
 
-        flat = FlatModel(runner.model, runner.runtime, runner.model.dtype, compile=False, block_size=runner.block_size)
+        flat = FlatModel(
+            runner.model,
+            runner.runtime,
+            runner.model.dtype,
+            compile=False,
+            block_size=runner.block_size,
+            cache_dtype=runner.layout.dtype,
+        )
         return flat_step(flat)
     return eager_step(runner.model, runner.ops)
 

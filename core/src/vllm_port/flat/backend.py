@@ -48,7 +48,16 @@ from .passes import PassContext, core_passes, plugin_passes, run_passes
 __all__ = ["SPLIT_OPS", "CompileReport", "VllmPortBackend", "make_backend", "resolve_compiler", "vllm_port_backend"]
 
 #: Contract ops that read the attention metadata; the graph is split around them.
-SPLIT_OPS = frozenset({"reshape_and_cache", "paged_attention", "prefill_attention"})
+SPLIT_OPS = frozenset(
+    {
+        "reshape_and_cache",
+        "paged_attention",
+        "prefill_attention",
+        "reshape_and_cache_fp8",
+        "paged_attention_fp8",
+        "prefill_attention_fp8",
+    }
+)
 #: Compiler names that mean "do not compile": the pieces run as traced, each op its provider.
 NO_COMPILER = frozenset({"none", "eager"})
 

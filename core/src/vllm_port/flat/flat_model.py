@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..errors import OpInputError
 from ..graph_capture import GraphCapture
 from .backend import NO_COMPILER, VllmPortBackend, resolve_compiler
 from .capture import DecodeGraphs
@@ -36,6 +37,7 @@ class FlatModel:
         ``None`` compiles only where the platform has a compiler.
     :param passes: run the fusion passes (both modes).
     :param block_size: the KV cache's block size.
+    :param cache_dtype: the KV cache's dtype, when it is not ``dtype`` (a float8 cache: the ``*_fp8`` cache ops).
     :param compiler: the compiler for the pieces (default: the plugin's, else the platform's).
     :param compile_trivial: compile pieces that hold only contract ops and views too (see
         :mod:`vllm_port.flat.backend`; by default they run as traced).
@@ -52,6 +54,7 @@ class FlatModel:
         block_size: int = 16,
         compiler: str | Callable[..., Any] | None = None,
         compile_trivial: bool = False,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.runtime = runtime
@@ -59,6 +62,7 @@ class FlatModel:
         self.kernels = runtime.bind(self.dtype)
         self.passes = passes
         self.block_size = block_size
+        self.cache_dtype = cache_dtype
         self.compiler = resolve_compiler(runtime, compiler)
         has_compiler = not (isinstance(self.compiler, str) and self.compiler in NO_COMPILER)
         self.compiled = has_compiler if compile is None else compile
@@ -81,7 +85,7 @@ class FlatModel:
         return self._graphs[phase]
 
     def _traced(self, phase: str) -> FlatGraph:
-        graph = trace(self.model, self.kernels, phase=phase, block_size=self.block_size)
+        graph = trace(self.model, self.kernels, phase=phase, block_size=self.block_size, cache_dtype=self.cache_dtype)
         return apply_passes(graph, self.runtime) if self.passes else graph
 
     def close(self) -> None:
@@ -101,8 +105,21 @@ class FlatModel:
                 self._steps[phase] = self.graph(phase)
         return self._steps[phase]
 
+    def _check_caches(self, kv_caches: Sequence[Any]) -> None:
+        """Refuse caches of another dtype than the graphs were traced for: a float8 cache would go through the
+        float cache ops, and a float cache through the ``*_fp8`` ones."""
+        if not kv_caches:
+            return
+        cache, dtype = kv_caches[0][0], self.cache_dtype or self.dtype
+        if cache.dtype != dtype:
+            raise OpInputError(
+                f"FlatModel: its graphs are traced for KV caches of {dtype}, given {cache.dtype}; build it with "
+                "FlatModel(..., cache_dtype=) as the cache is (ModelRunner.layout.dtype)"
+            )
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any], meta: Any) -> Any:
         """Hidden states after the final norm, as ``model.forward`` returns them (``meta.is_decode`` picks the graph)."""
+        self._check_caches(kv_caches)
         phase = PHASES[0] if meta.is_decode else PHASES[1]
         with torch.no_grad():
             return self._step(phase)(*graph_inputs(input_ids, positions, kv_caches, meta))
@@ -113,6 +130,7 @@ class FlatModel:
 
     def decode_step(self, kv_caches: Sequence[Any]) -> Callable[..., torch.Tensor]:
         """``step(input_ids, positions, slot_mapping, block_tables, seq_lens) -> logits`` over ``kv_caches``."""
+        self._check_caches(kv_caches)
         run = self._step("decode")
         caches = [t for pair in kv_caches for t in pair]
         cu_seqlens: dict[torch.device, torch.Tensor] = {}

@@ -159,7 +159,15 @@ _EXAMPLE = {
 
 
 def _fake_inputs(
-    mode: FakeTensorMode, phase: str, num_layers: int, kv_heads: int, head_size: int, block_size: int, dtype, device
+    mode: FakeTensorMode,
+    phase: str,
+    num_layers: int,
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype,
+    device,
+    cache_dtype=None,
 ) -> tuple[list[Any], dict[str, str]]:
     size = _EXAMPLE[phase]
     tokens, seqs, blocks, cache_blocks = size["num_tokens"], size["num_seqs"], size["max_blocks"], size["num_blocks"]
@@ -191,7 +199,7 @@ def _fake_inputs(
     cache_shape = (cache_blocks, block_size, kv_heads, head_size)
     for layer in range(num_layers):
         for kind in "kv":
-            args.append(fake(f"{kind}_cache_{layer}", cache_shape, dtype, (True, False, False, False)))
+            args.append(fake(f"{kind}_cache_{layer}", cache_shape, cache_dtype or dtype, (True, False, False, False)))
     # Name each symbol after the first input dimension that introduced it (seqs first in decode, where they are the batch).
     order = [("seq_lens", 0, "num_seqs"), ("input_ids", 0, "num_tokens")]
     if phase == "prefill":
@@ -215,6 +223,7 @@ def trace(
     phase: str = "decode",
     block_size: int = 16,
     metadata: Callable[..., Any] = StepInputs,
+    cache_dtype: torch.dtype | None = None,
 ) -> FlatGraph:
     """Trace one step of ``model`` (``phase`` ``"decode"`` or ``"prefill"``) into a flat graph.
 
@@ -222,6 +231,8 @@ def trace(
         custom op while tracing, so every contract op is one node naming its provider).
     :param block_size: the KV cache's block size (a constant of the graph).
     :param metadata: builds the ``meta`` argument from the flat inputs (by keyword).
+    :param cache_dtype: the KV cache's dtype (default the kernels' dtype); a float8 cache traces the model's
+        ``*_fp8`` cache ops, so a graph serves only caches of the dtype it was traced with.
     :raises TraceError: when ``phase`` is unknown or the model's code cannot be traced.
     """
     if phase not in PHASES:
@@ -238,7 +249,7 @@ def trace(
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     device = _model_device(model)
     args, symbol_names = _fake_inputs(
-        mode, phase, num_layers, kv_heads, head_size, block_size, kernels.context.dtype, device
+        mode, phase, num_layers, kv_heads, head_size, block_size, kernels.context.dtype, device, cache_dtype
     )
     step = step_function(model, ops, phase, num_layers, metadata)
     try:
