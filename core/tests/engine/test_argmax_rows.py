@@ -15,7 +15,7 @@ def test_random_rows_give_torch_argmax(cols):
 @pytest.mark.parametrize("cols", [32000, 32001, 1000])
 def test_ties_nan_and_infinities_give_torch_argmax(cols):
     x = torch.randn(10, cols, generator=torch.Generator().manual_seed(0))
-    x[0, [5, 3000 % cols, cols - 1]] = 50.0  # a tie across chunks and the tail: the first
+    x[0, [5, 3 * _ARGMAX_CHUNK + 7, cols - 1]] = 50.0  # a tie across chunks and the tail: the first
     x[1, [cols - 1, cols - 2]] = 50.0  # the maximum in the tail only (ragged widths)
     x[2, 700 % cols] = float("nan")  # NaN wins, the first one
     x[2, cols - 1] = float("nan")

@@ -128,7 +128,16 @@ def test_the_flat_graphs_traced_for_the_fp8_cache_generate_what_the_model_forwar
     assert [o.outputs[0].token_ids for o in flat.generate(batch, params)] == want
 
 
+def test_flat_graphs_take_the_first_caches_dtype_when_not_told(llama_model, cpu_runtime):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eager = make_llm(llama_model, cpu_runtime, kv_cache_dtype="fp8")
+    flat = make_llm(llama_model, cpu_runtime, kv_cache_dtype="fp8", make_step=_flat(None))
+    batch = prompts([7, 12])
+    want = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    assert [o.outputs[0].token_ids for o in flat.generate(batch, params)] == want
+
+
 def test_flat_graphs_refuse_a_cache_of_another_dtype_naming_both(llama_model, cpu_runtime):
-    llm = make_llm(llama_model, cpu_runtime, kv_cache_dtype="fp8", make_step=_flat(None))
+    llm = make_llm(llama_model, cpu_runtime, kv_cache_dtype="fp8", make_step=_flat(torch.float32))
     with pytest.raises(ValueError, match=r"traced for KV caches of torch.float32, given torch.float8_e4m3fn"):
         llm.generate(prompts([5]), SamplingParams(max_tokens=2))

@@ -48,6 +48,18 @@ def test_engine_greedy_output_equals_unplaced(llama_dir: Path, platforms, tmp_pa
 
 
 @pytest.mark.slow
+def test_placed_engine_on_an_fp8_cache_equals_unplaced(llama_dir: Path, platforms, tmp_path: Path) -> None:
+    """The placed graphs are traced for the e4m3 cache: its ``*_fp8`` ops sit with their layer's cache."""
+    (tmp_path / "policy.toml").write_text(POLICY)
+    common = dict(kv_cache_memory=1 << 20, max_num_seqs=4, seed=0, kv_cache_dtype="fp8")
+    with LLM(str(llama_dir), device="cpu", **common) as plain:
+        want = _greedy(plain)
+    with LLM(str(llama_dir), placement=str(tmp_path / "policy.toml"), devices=["cpu", "cpu-b"], **common) as placed:
+        assert placed.runner.kv.platforms_by_layer == ["cpu", "cpu-b"]
+        assert _greedy(placed) == want
+
+
+@pytest.mark.slow
 def test_engine_pipeline_greedy_output_equals_unplaced(llama_dir: Path, platforms) -> None:
     """Layer 1 and the head on cpu-b's second device, the KV cache of layer 1 there too: the same tokens."""
     policy = {"rules": [{"platform": "cpu-b:1", "layers": "1"}, {"platform": "cpu-b:1", "part": "lm_head"}]}

@@ -102,7 +102,7 @@ def flat_step(flat_model: Any) -> StepFunction:
 
     ``vllm_port.flat.FlatModel`` has that shape (flat graphs, eager or compiled)::
 
-        LLM(model_dir, make_step=lambda runner: flat_step(FlatModel(runner.model, runner.runtime)))
+        LLM(model_dir, make_step=lambda runner: flat_step(FlatModel(runner.model, runner.runtime, block_size=runner.block_size)))
     """
 
     def step(input_ids, positions, kv_caches, meta, logits_rows):
@@ -180,7 +180,8 @@ class ModelRunner:
         self.runtime = runtime
         self.device = device or runtime.device
         if placement is not None:  # loaded into host memory, each node's weights moved to its platform
-            model = placement.prepare(model, dtype or torch.float32, block_size, max_positions)
+            fp8_cache = None if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+            model = placement.prepare(model, dtype or torch.float32, block_size, max_positions, fp8_cache)
         elif isinstance(model, (str, os.PathLike)):  # else a loaded model: LlamaModel, or one of its shape (importer)
             model = load_model(model, self.device, dtype or torch.float32, max_positions=max_positions)
         self.model = model

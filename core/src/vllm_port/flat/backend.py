@@ -7,7 +7,7 @@ entry point of core) receives the step dynamo captured and:
    a :class:`~vllm_port.flat.flat_graph.FlatGraph` (contract ops as custom ops, torch ops as aten ops);
 2. runs core's fusion passes, then the passes plugins contribute (``vllm_port_graph_passes``);
 3. splits the graph at the ops that read the attention metadata (``reshape_and_cache``,
-   ``paged_attention``, ``prefill_attention``), as vLLM does: those run eagerly, calling their
+   ``paged_attention``, ``prefill_attention`` and their ``*_fp8`` forms), as vLLM does: those run eagerly, calling their
    providers' plain functions, so block tables and sequence lengths never become compiled-in facts;
 4. compiles each piece between them with the platform's compiler: a plugin's own
    (``vllm_port_compile_backend``), else ``PlatformDescription.compile_backend`` (``"inductor"`` on

@@ -37,7 +37,8 @@ class FlatModel:
         ``None`` compiles only where the platform has a compiler.
     :param passes: run the fusion passes (both modes).
     :param block_size: the KV cache's block size.
-    :param cache_dtype: the KV cache's dtype, when it is not ``dtype`` (a float8 cache: the ``*_fp8`` cache ops).
+    :param cache_dtype: the KV cache's dtype, when it is not ``dtype`` (a float8 cache: the ``*_fp8`` cache ops);
+        by default that of the first caches the model runs on, unless a graph was traced before.
     :param compiler: the compiler for the pieces (default: the plugin's, else the platform's).
     :param compile_trivial: compile pieces that hold only contract ops and views too (see
         :mod:`vllm_port.flat.backend`; by default they run as traced).
@@ -106,11 +107,15 @@ class FlatModel:
         return self._steps[phase]
 
     def _check_caches(self, kv_caches: Sequence[Any]) -> None:
-        """Refuse caches of another dtype than the graphs were traced for: a float8 cache would go through the
-        float cache ops, and a float cache through the ``*_fp8`` ones."""
+        """Take the caches' dtype for the graphs when none was given and none is traced yet; then refuse caches of
+        another dtype than the graphs were traced for: a float8 cache would go through the float cache ops, and a
+        float cache through the ``*_fp8`` ones."""
         if not kv_caches:
             return
-        cache, dtype = kv_caches[0][0], self.cache_dtype or self.dtype
+        cache = kv_caches[0][0]
+        if self.cache_dtype is None and not self._graphs and not self._steps:
+            self.cache_dtype = cache.dtype
+        dtype = self.cache_dtype or self.dtype
         if cache.dtype != dtype:
             raise OpInputError(
                 f"FlatModel: its graphs are traced for KV caches of {dtype}, given {cache.dtype}; build it with "

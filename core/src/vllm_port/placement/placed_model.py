@@ -60,6 +60,7 @@ class PlacedModel:
     :param passes: run core's fusion passes before placing.
     :param budgets: platform -> the most bytes of weights it may hold; moving more is refused
         before it happens.
+    :param cache_dtype: the KV cache's dtype when it is not the model's (a float8 cache: the ``*_fp8`` cache ops).
     :raises PlacementError: see :func:`~vllm_port.placement.place`, and for a weight budget exceeded.
     """
 
@@ -73,6 +74,7 @@ class PlacedModel:
         block_size: int = 16,
         passes: bool = True,
         budgets: Mapping[str, int] | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.policy = load_policy(policy)
@@ -85,7 +87,7 @@ class PlacedModel:
         self.graphs: dict[str, PlacedGraph] = {}
         caches: dict[str, str] | None = None
         for phase in PHASES:
-            graph = trace(model, kernels, phase=phase, block_size=block_size)
+            graph = trace(model, kernels, phase=phase, block_size=block_size, cache_dtype=cache_dtype)
             graph = apply_passes(graph) if passes else graph  # core's passes only: see the module docstring
             placed = place(
                 graph, self.policy, self.platforms, weights=self.weights, stats=self.stats, cache_platforms=caches
@@ -336,16 +338,29 @@ class EnginePlacement:
             sources.pop(device or "auto", None)  # named by device too: the error says --device, as ever
         return cls(policy, load_many(unique, plugins, sources=sources), budgets=budgets)
 
-    def prepare(self, model: Any, dtype: torch.dtype, block_size: int, max_positions: int | None = None) -> Any:
+    def prepare(
+        self,
+        model: Any,
+        dtype: torch.dtype,
+        block_size: int,
+        max_positions: int | None = None,
+        cache_dtype: torch.dtype | None = None,
+    ) -> Any:
         """The model (loaded from a directory into host memory when it is one, its rotary table for
-        ``max_positions`` positions), placed."""
+        ``max_positions`` positions), placed; ``cache_dtype``: the KV cache's, when not the model's (float8)."""
         from ..models import load_model
 
         if isinstance(model, (str, os.PathLike)):
             # host memory: each weight then moves once to the platform of its nodes
             model = load_model(model, torch.device("cpu"), dtype, max_positions=max_positions)
         self.model = PlacedModel(
-            model, self.policy, self.platforms, model.dtype, block_size=block_size, budgets=self.budgets
+            model,
+            self.policy,
+            self.platforms,
+            model.dtype,
+            block_size=block_size,
+            budgets=self.budgets,
+            cache_dtype=cache_dtype,
         )
         return model
 

@@ -41,8 +41,10 @@
  * work at the kernel's pace (measured on Zen 4: 8 bfloat16 rows of 64 leave it waiting, 24 do not). */
 #define PREFETCH_BYTES 3072
 
-/* AVX-512 BF16 (vdpbf16ps: float32 sums of exact bfloat16 products): a bfloat16 decode reads its K and V
- * rows in place, products straight from K and V widened in registers, with no float32 copy of either. */
+/* AVX-512 BF16 (vdpbf16ps: float32 sums of exact bfloat16 products): one bfloat16 query token (decode, or
+ * a prefill tile of one token) with head_size a multiple of 32 reads its K and V rows as stored: scores by
+ * vdpbf16ps on K, V widened in registers inside the weighted sum, no float32 copy of either in scratch.
+ * (vdpbf16ps flushes denormal inputs to zero: values under 1.2e-38, nothing a model's keys hold.) */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_DPBF16 1
 #else
@@ -380,7 +382,7 @@ static inline __attribute__((always_inline)) void weighted_block(float *acc, con
         return;
     }
 #endif
-    for (int j = 0; j < ROWS; j++) /* RAW is never asked for without AVX-512 */
+    for (int j = 0; j < ROWS; j++) /* RAW is never asked for without AVX-512 BF16 and head_size % 32 == 0 */
         for (int64_t t = 0; t < n; t++) {
             const float pj = p[t * pt + j * pr], *vt = (const float *)v[t];
             float *aj = acc + j * d;
@@ -641,7 +643,9 @@ static inline __attribute__((always_inline)) int attend(
     const int64_t prefetch_rows = PREFETCH_BYTES / row_bytes > 4 ? PREFETCH_BYTES / row_bytes : 4;
     /* a prefill tile puts its rows across vector lanes; decode's few rows (one query token) go one by one */
     const int by_lanes = tokens > 1, lanes = (rows + 15) & ~(int64_t)15;
-    const int raw = HAVE_DPBF16 && dtype == DT_BF16 && !by_lanes && (d & 31) == 0; /* rows read as stored */
+    /* one query token in bfloat16: rows read as stored (HAVE_DPBF16 above); the chunk loop then only gathers
+     * row pointers, so rows are prefetched a chunk's gather ahead of their use rather than a latency ahead */
+    const int raw = HAVE_DPBF16 && dtype == DT_BF16 && !by_lanes && (d & 31) == 0;
     for (int64_t r = 0; r < lanes; r++) {
         const int64_t qi = r / group, g = r % group;
         s->positions[r] = r < rows ? (int32_t)(first_pos + qi) : -1; /* a padding lane sees nothing */
@@ -688,7 +692,7 @@ static inline __attribute__((always_inline)) int attend(
     }
     for (int64_t c0 = begin; c0 <= last_pos; c0 += KEY_CHUNK) {
         const int64_t n = c0 + KEY_CHUNK <= last_pos + 1 ? KEY_CHUNK : last_pos + 1 - c0;
-        /* K and V rows of the chunk, widened to float32 (float32 rows are read in place) */
+        /* K and V rows of the chunk, widened to float32 (float32 rows, and bfloat16 ones with raw, read in place) */
         for (int64_t t = 0; t < n; t++) {
             if (!at.valid) return ERR_BLOCK;
             if (c0 + t + prefetch_rows <= last_pos) {
