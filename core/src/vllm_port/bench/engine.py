@@ -110,10 +110,7 @@ def run_engine(
         from ..flat import FlatModel
 
         def make_step(runner: Any) -> Any:
-            flat = FlatModel(
-                runner.model, runner.runtime, block_size=runner.block_size, cache_dtype=runner.layout.dtype
-            )
-            return flat_step(flat)
+            return flat_step(FlatModel(runner.model, runner.runtime, block_size=runner.block_size))
 
     llm = LLM(
         str(model_dir),

@@ -126,15 +126,8 @@ def default_step(runner: ModelRunner, own_ops: bool = True) -> StepFunction:
     if own_ops and runner.runtime.platform.graph_capture:
         from ..flat import FlatModel
 
-        flat = FlatModel(
-            runner.model,
-            runner.runtime,
-            runner.model.dtype,
-            compile=False,
-            block_size=runner.block_size,
-            cache_dtype=runner.layout.dtype,
-        )
-        return flat_step(flat)
+        flat = FlatModel(runner.model, runner.runtime, runner.model.dtype, compile=False, block_size=runner.block_size)
+        return flat_step(flat)  # traced for the dtype of the caches it first runs on
     return eager_step(runner.model, runner.ops)
 
 
@@ -179,8 +172,10 @@ class ModelRunner:
     ) -> None:
         self.runtime = runtime
         self.device = device or runtime.device
+        # "fp8": the cache in e4m3 (half of bfloat16's bytes a block: the pool holds twice the blocks), read and
+        # written by the *_fp8 cache ops (the model sees the cache's dtype); "auto": the model's dtype
+        fp8_cache = None if kv_cache_dtype == "auto" else torch.float8_e4m3fn
         if placement is not None:  # loaded into host memory, each node's weights moved to its platform
-            fp8_cache = None if kv_cache_dtype == "auto" else torch.float8_e4m3fn
             model = placement.prepare(model, dtype or torch.float32, block_size, max_positions, fp8_cache)
         elif isinstance(model, (str, os.PathLike)):  # else a loaded model: LlamaModel, or one of its shape (importer)
             model = load_model(model, self.device, dtype or torch.float32, max_positions=max_positions)
@@ -196,9 +191,7 @@ class ModelRunner:
         self.num_launches = 0
         self.block_size = block_size
         c = model.config
-        # "fp8": the cache in e4m3 (half of bfloat16's bytes a block: the pool holds twice the blocks), read and
-        # written by the *_fp8 cache ops (the model sees the cache's dtype)
-        cache_dtype = model.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        cache_dtype = model.dtype if fp8_cache is None else fp8_cache
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_size, block_size, cache_dtype)
         budget = _budget(runtime, kv_cache_memory, self.layout, max_tokens)
         if placement is not None:

@@ -42,22 +42,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
 from ..errors import PluginError
-from .flat_graph import _named, contract_op, contract_provider, node_kind, op_targets
+from .flat_graph import KV_CACHE_OPS, _named, contract_op, contract_provider, node_kind, op_targets
 from .passes import PassContext, core_passes, plugin_passes, run_passes
 
 __all__ = ["SPLIT_OPS", "CompileReport", "VllmPortBackend", "make_backend", "resolve_compiler", "vllm_port_backend"]
 
 #: Contract ops that read the attention metadata; the graph is split around them.
-SPLIT_OPS = frozenset(
-    {
-        "reshape_and_cache",
-        "paged_attention",
-        "prefill_attention",
-        "reshape_and_cache_fp8",
-        "paged_attention_fp8",
-        "prefill_attention_fp8",
-    }
-)
+SPLIT_OPS = frozenset(KV_CACHE_OPS)
 #: Compiler names that mean "do not compile": the pieces run as traced, each op its provider.
 NO_COMPILER = frozenset({"none", "eager"})
 

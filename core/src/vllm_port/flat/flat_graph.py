@@ -25,6 +25,7 @@ from ..ops import ALL_OPS, BoundOps, Provider
 
 __all__ = [
     "CONTRACT_NAMESPACE",
+    "KV_CACHE_OPS",
     "FlatGraph",
     "FlatNode",
     "contract_op",
@@ -37,6 +38,15 @@ __all__ = [
 
 #: The ``torch.library`` namespace of the contract's custom ops (see ``vllm_port.ops._custom``).
 CONTRACT_NAMESPACE = "vllm_port"
+#: The contract ops that read or write a layer's KV cache and the attention metadata (block tables, lengths).
+KV_CACHE_OPS = (
+    "reshape_and_cache",
+    "paged_attention",
+    "prefill_attention",
+    "reshape_and_cache_fp8",
+    "paged_attention_fp8",
+    "prefill_attention_fp8",
+)
 _OPS = {op.name: op for op in ALL_OPS}
 #: Custom op overload -> the provider whose plain function it wraps (filled by :func:`traceable_ops`).
 _EAGER: dict[torch._ops.OpOverload, Provider] = {}

@@ -20,19 +20,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ..flat.flat_graph import FlatGraph, FlatNode
+from ..flat.flat_graph import KV_CACHE_OPS, FlatGraph, FlatNode
 
 __all__ = ["ATTENTION_CACHE_OPS", "node_parts"]
 
 #: The ops that read or write a layer's KV cache: they and the cache sit on one platform.
-ATTENTION_CACHE_OPS = (
-    "reshape_and_cache",
-    "paged_attention",
-    "prefill_attention",
-    "reshape_and_cache_fp8",
-    "paged_attention_fp8",
-    "prefill_attention_fp8",
-)
+ATTENTION_CACHE_OPS = KV_CACHE_OPS
 _ATTENTION_OPS = {*ATTENTION_CACHE_OPS, "rotary_embedding"}
 _MLP_OPS = {"silu_and_mul", "gelu_and_mul"}
 _NORM_OPS = {"rms_norm", "fused_add_rms_norm"}
