@@ -1,6 +1,7 @@
 """A running engine's decode steps on the device's timeline: kernels' busy time against the steps' wall time.
 
     python3 dev/experiments/probe_engine_timeline.py MODEL_DIR [--batch 256] [--steps 20] [--json OUT]
+    python3 dev/experiments/probe_engine_timeline.py MODEL_DIR --whole-run [--kv-cache-dtype fp8] [--json OUT]
 
 ``bench engine --h200``'s requests (``--batch`` of 512 random prompt tokens, 256 greedy output tokens) on
 ``MODEL_DIR`` with the engine's defaults. ``torch.profiler`` records ``--steps`` decode steps from the middle
@@ -8,6 +9,13 @@ of the decode phase, as the engine runs them (replayed graphs, a step ahead). Pr
 step, the device's busy time a step (the union of its kernels' and copies' intervals), the idle rest, and the
 kernels that took the most time. Issue 30: at 256 sequences on an H100 the engine's step took 18.7 ms where
 `vllm-port profile` replays the same step's graph in 14.7 ms.
+
+``--whole-run`` profiles nothing: it times every step of the run instead, so the run's wall time splits into
+its parts. Each launch records a device event behind its work; the time between one step's event and the
+next's is that step's share of the device timeline (its kernels and any idle before them). Steps are grouped
+by what they hold: prefill only, prefill chunks with decode rows (mixed), decode at the full batch, decode
+below it; and each group is split into replayed and eager steps. What is left of ``generate``'s wall time is
+the host before the first launch and after the last step's event.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--whole-run", action="store_true", help="time every step of the run (no profiler)")
     parser.add_argument("--json")
     args = parser.parse_args()
     llm = LLM(
@@ -49,6 +59,7 @@ def main() -> None:
         max_model_len=args.prompt + args.output,
         max_num_seqs=args.batch,
         enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=0,
     )
     gen = torch.Generator().manual_seed(1)
@@ -59,6 +70,8 @@ def main() -> None:
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     runner = llm.runner
     on_gpu = runner.runtime.platform.device_type == "cuda"
+    if args.whole_run:
+        return whole_run(llm, prompts, args, on_gpu)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     prof = torch.profiler.profile(activities=activities)
     launch, seen, window = runner.launch, [0], {}
@@ -113,6 +126,110 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def step_group(batch, full: int) -> str:
+    """What a step holds: ``prefill``, ``mixed`` (prefill chunks beside decode rows) or ``decode`` (full or not)."""
+    if batch.is_decode:
+        return "decode, full batch" if len(batch.query_lens) == full else "decode, below the batch"
+    return "mixed" if any(n == 1 for n in batch.query_lens) else "prefill"
+
+
+def whole_run(llm, prompts, args, on_gpu: bool) -> None:
+    """Time every step of one ``generate`` on the device's timeline and group the steps (``--whole-run``)."""
+    from vllm_port import SamplingParams
+
+    runner = llm.runner
+    launch, steps = runner.launch, []
+
+    def timed(batch, *a, **k):
+        before = dict(runner.steps_by_kind)
+        entered = time.perf_counter()
+        pending = launch(batch, *a, **k)
+        after = runner.steps_by_kind
+        kind = next((k for k in after if after[k] != before.get(k, 0)), "none")
+        event = None
+        if on_gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        steps.append(
+            {
+                "group": step_group(batch, args.batch),
+                "kind": "replayed" if "replayed" in kind else kind,
+                "tokens": len(batch.input_ids),
+                "rows": len(batch.query_lens),
+                "host_ms": (time.perf_counter() - entered) * 1e3,
+                "event": event,
+                "entered": entered,
+            }
+        )
+        return pending
+
+    runner.launch = timed
+    params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    if on_gpu:
+        torch.cuda.synchronize()
+        start_event = torch.cuda.Event(enable_timing=True)
+        start_event.record()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    if on_gpu:
+        torch.cuda.synchronize()
+    wall_s = time.perf_counter() - start
+    runner.launch = launch
+    llm.close()
+    previous = start_event if on_gpu else None
+    for i, s in enumerate(steps):  # the step's share of the timeline: from the last step's end to its own
+        event = s.pop("event")
+        if on_gpu:
+            s["device_ms"] = previous.elapsed_time(event)
+            previous = event
+        else:  # no device events: from this launch to the next
+            s["device_ms"] = ((steps[i + 1]["entered"] if i + 1 < len(steps) else start + wall_s) - s["entered"]) * 1e3
+    groups: dict[tuple[str, str], dict[str, float]] = {}
+    for s in steps:
+        g = groups.setdefault((s["group"], s["kind"]), {"steps": 0, "tokens": 0, "device_ms": 0.0, "host_ms": 0.0})
+        g["steps"] += 1
+        g["tokens"] += s["tokens"]
+        g["device_ms"] += s["device_ms"]
+        g["host_ms"] += s["host_ms"]
+    on_steps_s = sum(s["device_ms"] for s in steps) / 1e3
+    first_launch_s = steps[0]["entered"] - start if steps else 0.0
+    print(
+        f"{len(prompts)} requests x {args.prompt}/{args.output} tokens, KV cache {args.kv_cache_dtype}: "
+        f"generate {wall_s:.3f} s, {len(steps)} steps on the timeline {on_steps_s:.3f} s, "
+        f"host before the first launch {first_launch_s * 1e3:.1f} ms"
+    )
+    print("| steps | kind | count | tokens | timeline (ms) | ms a step | host launch (ms a step) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for (group, kind), g in sorted(groups.items(), key=lambda kv: -kv[1]["device_ms"]):
+        n = g["steps"]
+        print(
+            f"| {group} | {kind} | {n} | {g['tokens']} | {g['device_ms']:.1f} | {g['device_ms'] / n:.2f} "
+            f"| {g['host_ms'] / n:.2f} |"
+        )
+    full = [s["device_ms"] for s in steps if s["group"] == "decode, full batch"]
+    if full:
+        ordered = sorted(full)
+        steady = ordered[len(ordered) // 2]
+        print(
+            f"decode at the full batch: median {steady:.2f} ms a step; {len(full)} steps at the median would take "
+            f"{steady * len(full) / 1e3:.3f} s, they took {sum(full) / 1e3:.3f} s"
+        )
+        print("  first 8 full-batch steps (ms):", " ".join(f"{x:.1f}" for x in full[:8]))
+        print("  last 8 (ms):", " ".join(f"{x:.1f}" for x in full[-8:]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "wall_s": wall_s,
+                    "kv_cache_dtype": args.kv_cache_dtype,
+                    "groups": [{"group": k[0], "kind": k[1], **v} for k, v in groups.items()],
+                    "steps": [{k: v for k, v in s.items() if k != "entered"} for s in steps],
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
