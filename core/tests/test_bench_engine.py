@@ -97,14 +97,17 @@ def test_weight_bytes_count_every_matrix_but_the_embedding(tmp_path) -> None:
 def test_engine_and_transformers_agree_and_report(tmp_path) -> None:
     out = tmp_path / "r.json"
     args = [
-        "bench", "engine", "--systems", "engine,transformers", "--json", str(out),
+        "bench", "engine", "--systems", "engine,transformers,transformers-compiled", "--json", str(out),
         "--hidden-size", "64", "--intermediate-size", "192", "--layers", "2", "--heads", "4", "--kv-heads", "2",
         "--vocab-size", "256", "--num-requests", "3", "--prompt-len", "5", "--output-len", "4",
     ]  # fmt: skip
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert result["workload"]["num_requests"] == 3 and result["engine_over_best_vllm"] is None
-    for name in ("engine", "transformers"):
+    # on CPU transformers runs the static cache uncompiled, and the result says so
+    assert result["results"]["transformers-compiled"]["compiled"] is False
+    assert "transformers-compiled: static cache, not compiled on CPU" in engine.render(result)
+    for name in ("engine", "transformers", "transformers-compiled"):
         r = result["results"][name]
         assert r["output_tokens"] == 3 * 4
         assert r["output_tok_s"] > 0 and r["ttft_batch_s"] > 0 and r["elapsed_s"] > 0

@@ -199,7 +199,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (CPU 128, H200 256)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--decode-batches", default=None, help="comma-separated decode batch sizes (H200: 1,64)")
-    parser.add_argument("--systems", default="engine,transformers,vllm", help="which to run (comma-separated)")
+    parser.add_argument(
+        "--systems",
+        default="engine,transformers,vllm",
+        help="which to run (comma-separated): engine, transformers, transformers-compiled (static cache, decode "
+        "step under torch.compile reduce-overhead), vllm",
+    )
     parser.add_argument("--step", default="eager", choices=["eager", "flat"], help="the engine's step function")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(

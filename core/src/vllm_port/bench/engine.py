@@ -7,6 +7,10 @@ requests, greedy with EOS ignored, through:
 - ``engine``: this project's ``LLM.generate`` on the selected platform;
 - ``transformers``: ``generate`` on the same weights, all requests in one batch (equal prompt
   lengths, so no padding), greedy, ``min_new_tokens = max_new_tokens``;
+- ``transformers-compiled``: the same with a static cache and its decode step under
+  ``torch.compile(mode="reduce-overhead")`` (compiler and CUDA graphs: ``transformers``' own automatic
+  compilation, which it applies on accelerators; on CPU the static cache alone), the plain-torch decoder
+  a compiler makes of the model; its compilation happens in the warm-up, outside the timed runs;
 - ``vllm`` and ``vllm-all-cores`` (with ``--vllm-python``): ``dev/vllm_peer.py`` in vLLM's own
   interpreter, once as vLLM configures itself and once with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``
   (on CPU vLLM keeps a core for its scheduler by default).
@@ -154,11 +158,15 @@ def run_engine(
         llm.close()
 
 
-def run_transformers(model_dir: Path, prompts: list[list[int]], w: Workload, device: str) -> dict[str, Any]:
+def run_transformers(
+    model_dir: Path, prompts: list[list[int]], w: Workload, device: str, compiled: bool = False
+) -> dict[str, Any]:
     """``transformers`` ``generate`` on the same weights: all prompts in one batch, greedy, no early stop.
 
     The model class is the one ``config.json`` names (``AutoModelForCausalLM``); a mixture-of-experts
-    model runs ``transformers``' default experts implementation, which the result names.
+    model runs ``transformers``' default experts implementation, which the result names. ``compiled``: a
+    static cache, whose decode step ``transformers`` compiles (``CompileConfig(mode="reduce-overhead")``)
+    on an accelerator; the warm-up generates the whole output length, so every compilation is behind it.
     """
     from transformers import AutoModelForCausalLM
 
@@ -166,6 +174,11 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], w: Workload, dev
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
+    extra: dict[str, Any] = {}
+    if compiled:
+        from transformers import CompileConfig
+
+        extra = {"cache_implementation": "static", "compile_config": CompileConfig(mode="reduce-overhead")}
 
     def generate(n: int) -> float:
         start = time.perf_counter()
@@ -177,13 +190,14 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], w: Workload, dev
                 max_new_tokens=n,
                 min_new_tokens=n,
                 pad_token_id=0,
+                **extra,
             )
         if device != "cpu":
             torch.accelerator.synchronize()
         assert out.shape[1] == w.prompt_len + n, out.shape
         return time.perf_counter() - start
 
-    generate(2)  # warm-up
+    generate(w.output_len if compiled else 2)  # warm-up (a static cache's shapes are the output length's)
     batch_ttft = generate(1)
     elapsed = generate(w.output_len)
     tokens = len(prompts) * w.output_len
@@ -193,6 +207,8 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], w: Workload, dev
         "output_tokens": tokens,
         "ttft_batch_s": batch_ttft,
     }
+    if compiled:
+        result["compiled"] = device != "cpu"  # transformers compiles its static-cache step on accelerators only
     if w.is_moe:
         result["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
     return result
@@ -312,7 +328,7 @@ class FlagError(ValueError):
 #: ``--weights`` names of a float checkpoint -> the dtype it is stored (and run) in.
 FLOAT_WEIGHTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: The systems ``--systems`` may list.
-SYSTEMS = ("engine", "transformers", "vllm")
+SYSTEMS = ("engine", "transformers", "transformers-compiled", "vllm")
 
 
 def _checkpoint(
@@ -404,8 +420,11 @@ def run(
             if v.weights == "float" and vllm_python and "vllm" in systems:
                 results["vllm"] = run_vllm(vllm_python, path, prompts_file, v, reserve_none=False)
                 results["vllm-all-cores"] = run_vllm(vllm_python, path, prompts_file, v, reserve_none=True)
-            if v.weights == "float" and "transformers" in systems:
-                results["transformers"] = run_transformers(path, prompts, v, "cuda" if _on_gpu(device) else "cpu")
+            for name in ("transformers", "transformers-compiled"):
+                if v.weights == "float" and name in systems:
+                    results[name] = run_transformers(
+                        path, prompts, v, "cuda" if _on_gpu(device) else "cpu", compiled=name != "transformers"
+                    )
             if v.decode_batches:
                 decode += _decode_rates(path, v, device, step, copy_gbs, **kw)
                 copy_gbs = decode[-1]["copy_gbs"]
@@ -573,6 +592,13 @@ def render(result: dict[str, Any]) -> str:
     experts = result["results"].get("transformers", {}).get("experts_implementation")
     if experts:
         lines.append(f"transformers: experts implementation {experts!r}")
+    if "compiled" in result["results"].get("transformers-compiled", {}):
+        how = (
+            "its decode step compiled (reduce-overhead: CUDA graphs)"
+            if result["results"]["transformers-compiled"]["compiled"]
+            else "not compiled on CPU"
+        )
+        lines.append(f"transformers-compiled: static cache, {how}")
     if result["engine_over_best_vllm"] is not None:
         lines.append(f"\nengine / faster vLLM configuration: {result['engine_over_best_vllm']:.2f}x")
     if result["decode"]:
@@ -654,7 +680,7 @@ def resolve_flags(args: Any) -> tuple[Workload, tuple[str, ...], tuple[str, ...]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise FlagError(f"--systems {args.systems!r}: each must be one of {', '.join(SYSTEMS)}")
-    if "float" not in weights and {"transformers", "vllm"} & set(systems):
+    if "float" not in weights and {"transformers", "transformers-compiled", "vllm"} & set(systems):
         raise FlagError(
             f"--systems {args.systems}: transformers and vLLM run a float checkpoint, and --weights {args.weights} "
             "lists none (add bf16, or run --systems engine)"

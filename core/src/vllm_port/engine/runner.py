@@ -398,7 +398,7 @@ class ModelRunner:
                 if any(batch.temperatures):
                     sampled = self.ops.sample(processed, temperature, top_k, top_p, seeds)
                 else:  # every row greedy: the argmax of the processed logits (lowest id on ties)
-                    sampled = processed.argmax(dim=-1)
+                    sampled = _argmax_rows(processed)
                 sampled = self._checked_ids(sampled, len(rows))
             else:  # every row greedy: the sample op's answer by contract, without its sort and noise
                 # widened first: exact, so the same ids and ties, and argmax over float32 is several
