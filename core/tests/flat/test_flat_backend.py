@@ -134,3 +134,23 @@ def test_pieces_with_nothing_to_generate_run_as_traced(models, tiny_dirs, cpu_ru
     # after the passes every piece between attention ops is contract ops and views: no compiler run
     assert report.pieces == 0 and report.trivial_pieces == model.config.num_layers + 1
     assert report.fusions["silu_and_mul"] == model.config.num_layers
+
+
+@pytest.mark.slow
+def test_compiled_flat_models_of_different_models_in_one_process_each_compile_their_own(models, tiny_dirs, cpu_runtime):
+    """Two compiled FlatModels, of models with other head sizes (attention scales), one after the other, no reset.
+
+    torch.compile keeps its compiled graphs on the code object of the function it compiles. Every FlatModel's step
+    is a closure of the same function, so the second model's first call was a recompile of the first's: dynamo's
+    automatic dynamic then made the attention scale, a float that differed between the two, a symbolic float,
+    which the attention ops' schema (``float scale``) refuses. Each FlatModel now compiles a function of its own.
+    """
+    torch._dynamo.reset()
+    for family in ("llama", "mistral", "qwen2"):  # head sizes 64, 128, 64: scales 1/8, 1/sqrt(128), 1/8
+        model = models[family]
+        runner = FlatModel(model, cpu_runtime, compile=True, block_size=4)
+        talk = Conversation(model.config, [7, 5], decode_steps=1, seed=2)
+        ids, pos, meta = talk.prefill()
+        logits = runner.compute_logits(runner.forward(ids, pos, talk.kv_caches, meta))
+        assert_fp32_close(logits, talk.expected_prefill(tiny_dirs[family]))
+        assert len(runner.backend.reports) == 1  # its own first compile, not another model's recompile

@@ -46,8 +46,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,18 @@ def run_engine(
         }
     finally:
         llm.close()
+
+
+def _peer_result(name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s result, or ``{"error": ...}`` naming what went wrong: a peer that fails (a compiler's error, out
+    of memory) is reported in the table, and the systems that ran keep their numbers."""
+    try:
+        return run()
+    except Exception as exc:  # the message goes into the results table
+        print(f"{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def run_transformers(
@@ -422,9 +435,9 @@ def run(
                 results["vllm-all-cores"] = run_vllm(vllm_python, path, prompts_file, v, reserve_none=True)
             for name in ("transformers", "transformers-compiled"):
                 if v.weights == "float" and name in systems:
-                    results[name] = run_transformers(
-                        path, prompts, v, "cuda" if _on_gpu(device) else "cpu", compiled=name != "transformers"
-                    )
+                    where = "cuda" if _on_gpu(device) else "cpu"
+                    run = partial(run_transformers, path, prompts, v, where, compiled=name != "transformers")
+                    results[name] = _peer_result(name, run)
             if v.decode_batches:
                 decode += _decode_rates(path, v, device, step, copy_gbs, **kw)
                 copy_gbs = decode[-1]["copy_gbs"]

@@ -12,6 +12,8 @@ offer graph capture, compiled or not.
 from __future__ import annotations
 
 import gc
+import itertools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +28,25 @@ from .passes import apply_passes
 from .trace import PHASES, StepInputs, graph_inputs, step_function, trace
 
 __all__ = ["FlatModel"]
+
+#: Numbers the steps FlatModels compile (:func:`_own_code`).
+_COMPILED_STEPS = itertools.count()
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own, under a name of its own.
+
+    Dynamo keeps what it compiled on the code object of the function it compiles, and what it learnt about its
+    inputs (which became dynamic) under the code's file, line and name. The steps of every FlatModel are closures
+    of one function, so they would share both: a second model's first call would recompile the first model's
+    entry, automatic dynamic would make a float that differs between the models (the attention scale) symbolic,
+    which the ops' schemas refuse, and after ``recompile_limit`` models dynamo would stop compiling. With a code
+    object and a name of its own, each FlatModel compiles from scratch, and its compiled graphs go when it does.
+    """
+    code = fn.__code__
+    number = next(_COMPILED_STEPS)
+    code = code.replace(co_name=f"{code.co_name}_{number}", co_qualname=f"{code.co_qualname}_{number}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 class FlatModel:
@@ -101,7 +122,7 @@ class FlatModel:
             if self.compiled:
                 ops = traceable_ops(self.kernels)
                 fn = step_function(self.model, ops, phase, self.model.config.num_layers, StepInputs)
-                self._steps[phase] = torch.compile(fn, backend=self.backend, fullgraph=True)
+                self._steps[phase] = torch.compile(_own_code(fn), backend=self.backend, fullgraph=True)
             else:
                 self._steps[phase] = self.graph(phase)
         return self._steps[phase]
