@@ -12,7 +12,8 @@ kernels that took the most time. Issue 30: at 256 sequences on an H100 the engin
 
 ``--whole-run`` profiles nothing: it times every step of the run instead, so the run's wall time splits into
 its parts. Each launch records a device event behind its work; the time between one step's event and the
-next's is that step's share of the device timeline (its kernels and any idle before them). Steps are grouped
+next's is that step's share of the device timeline (its kernels and any idle before them); an event recorded as the
+launch begins tells the idle apart (the device waiting for the host to start the step). Steps are grouped
 by what they hold: prefill only, prefill chunks with decode rows (mixed), decode at the full batch, decode
 below it; and each group is split into replayed and eager steps. What is left of ``generate``'s wall time is
 the host before the first launch and after the last step's event.
@@ -144,6 +145,10 @@ def whole_run(llm, prompts, args, on_gpu: bool) -> None:
 
     def timed(batch, *a, **k):
         before = dict(runner.steps_by_kind)
+        begun = None
+        if on_gpu:  # reached when the device is done with what came before: after any idle, waiting for this launch
+            begun = torch.cuda.Event(enable_timing=True)
+            begun.record()
         entered = time.perf_counter()
         pending = launch(batch, *a, **k)
         after = runner.steps_by_kind
@@ -160,6 +165,7 @@ def whole_run(llm, prompts, args, on_gpu: bool) -> None:
                 "rows": len(batch.query_lens),
                 "host_ms": (time.perf_counter() - entered) * 1e3,
                 "event": event,
+                "begun": begun,
                 "entered": entered,
             }
         )
@@ -180,19 +186,25 @@ def whole_run(llm, prompts, args, on_gpu: bool) -> None:
     llm.close()
     previous = start_event if on_gpu else None
     for i, s in enumerate(steps):  # the step's share of the timeline: from the last step's end to its own
-        event = s.pop("event")
+        event, begun = s.pop("event"), s.pop("begun")
         if on_gpu:
             s["device_ms"] = previous.elapsed_time(event)
+            # the device idle between the last step's work and this launch's start (0 when it was queued behind it)
+            s["idle_before_ms"] = max(previous.elapsed_time(begun), 0.0)
             previous = event
         else:  # no device events: from this launch to the next
             s["device_ms"] = ((steps[i + 1]["entered"] if i + 1 < len(steps) else start + wall_s) - s["entered"]) * 1e3
+            s["idle_before_ms"] = 0.0
     groups: dict[tuple[str, str], dict[str, float]] = {}
     for s in steps:
-        g = groups.setdefault((s["group"], s["kind"]), {"steps": 0, "tokens": 0, "device_ms": 0.0, "host_ms": 0.0})
+        g = groups.setdefault(
+            (s["group"], s["kind"]), {"steps": 0, "tokens": 0, "device_ms": 0.0, "host_ms": 0.0, "idle_before_ms": 0.0}
+        )
         g["steps"] += 1
         g["tokens"] += s["tokens"]
         g["device_ms"] += s["device_ms"]
         g["host_ms"] += s["host_ms"]
+        g["idle_before_ms"] += s["idle_before_ms"]
     on_steps_s = sum(s["device_ms"] for s in steps) / 1e3
     first_launch_s = steps[0]["entered"] - start if steps else 0.0
     print(
@@ -200,13 +212,15 @@ def whole_run(llm, prompts, args, on_gpu: bool) -> None:
         f"generate {wall_s:.3f} s, {len(steps)} steps on the timeline {on_steps_s:.3f} s, "
         f"host before the first launch {first_launch_s * 1e3:.1f} ms"
     )
-    print("| steps | kind | count | tokens | timeline (ms) | ms a step | host launch (ms a step) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| steps | kind | count | tokens | timeline (ms) | ms a step | of it idle before the step (ms) | host launch (ms a step) |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (group, kind), g in sorted(groups.items(), key=lambda kv: -kv[1]["device_ms"]):
         n = g["steps"]
         print(
             f"| {group} | {kind} | {n} | {g['tokens']} | {g['device_ms']:.1f} | {g['device_ms'] / n:.2f} "
-            f"| {g['host_ms'] / n:.2f} |"
+            f"| {g['idle_before_ms']:.1f} | {g['host_ms'] / n:.2f} |"
         )
     full = [s["device_ms"] for s in steps if s["group"] == "decode, full batch"]
     if full:
