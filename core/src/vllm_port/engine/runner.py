@@ -658,6 +658,7 @@ class ModelRunner:
             cu_seqlens_q=cu.to(torch.int32),
             max_query_len=max(b.query_lens),
             is_decode=b.is_decode,
+            num_decodes=0 if b.is_decode else _leading_decode_rows(b.query_lens),
         )
         temperature, top_p = floats.split([num_samples, num_samples])
         return ids, positions, meta, logits_rows, top_k, seeds, temperature, top_p
@@ -708,6 +709,14 @@ def _top_logprobs(
 
 #: Columns per chunk of :func:`_argmax_rows`'s first pass.
 _ARGMAX_CHUNK = 128
+
+
+def _leading_decode_rows(query_lens: list[int]) -> int:
+    """How many sequences at the front of a step have one query token (``AttentionMetadata.num_decodes``)."""
+    for i, n in enumerate(query_lens):
+        if n != 1:
+            return i
+    return len(query_lens)
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -168,7 +168,7 @@ class FlatModel:
                 cu_seqlens[seq_lens.device] = torch.arange(max(n + 1, 2), dtype=torch.int32, device=seq_lens.device)
             cu = cu_seqlens[seq_lens.device][: n + 1]
             with torch.no_grad():
-                hidden = run(input_ids, positions, slot_mapping, block_tables, seq_lens, cu, 1, *caches)
+                hidden = run(input_ids, positions, slot_mapping, block_tables, seq_lens, cu, 1, 0, *caches)
                 return self.compute_logits(hidden)
 
         return step

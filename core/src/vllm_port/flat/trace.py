@@ -36,7 +36,16 @@ __all__ = ["PHASES", "StepInputs", "TraceError", "graph_inputs", "trace", "weigh
 
 PHASES = ("decode", "prefill")
 #: The graph's inputs before the caches, in call order: the token batch and the attention metadata.
-BATCH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "max_query_len")
+BATCH_INPUTS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "cu_seqlens_q",
+    "max_query_len",
+    "num_decodes",
+)
 
 
 class TraceError(VllmPortError):
@@ -67,6 +76,7 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor
     max_query_len: int
     is_decode: bool
+    num_decodes: int = 0
 
 
 def graph_inputs(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[Any], meta: Any) -> list[Any]:
@@ -80,6 +90,7 @@ def graph_inputs(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Se
         meta.seq_lens,
         meta.cu_seqlens_q,
         int(meta.max_query_len),
+        int(getattr(meta, "num_decodes", 0)),
         *caches,
     ]
 
@@ -90,7 +101,9 @@ def step_function(
     """``model.forward`` as a function of flat arguments (see :data:`BATCH_INPUTS`, then each layer's K and V cache)."""
     is_decode = phase == "decode"
 
-    def step(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, *caches):
+    def step(
+        input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_query_len, num_decodes, *caches
+    ):
         meta = metadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -98,6 +111,7 @@ def step_function(
             cu_seqlens_q=cu_seqlens_q,
             max_query_len=max_query_len,
             is_decode=is_decode,
+            num_decodes=num_decodes,
         )
         kv_caches = [(caches[2 * i], caches[2 * i + 1]) for i in range(num_layers)]
         return model.forward(ops, input_ids, positions, kv_caches, meta)
@@ -154,7 +168,14 @@ def _model_device(model: object) -> torch.device:
 #: tokens and sequences are equal on purpose (one query token per sequence).
 _EXAMPLE = {
     "decode": {"num_tokens": 3, "num_seqs": 3, "max_blocks": 5, "num_blocks": 7, "max_query_len": 1},
-    "prefill": {"num_tokens": 11, "num_seqs": 3, "max_blocks": 5, "num_blocks": 7, "max_query_len": 6},
+    "prefill": {
+        "num_tokens": 11,
+        "num_seqs": 3,
+        "max_blocks": 5,
+        "num_blocks": 7,
+        "max_query_len": 6,
+        "num_decodes": 2,
+    },
 }
 
 
@@ -189,13 +210,14 @@ def _fake_inputs(
         fake("seq_lens", (seqs,), i32, (True,)),
         fake("cu_seqlens_q", (seqs + 1,), i32, (True,)),
     ]
-    if phase == "prefill":
+    if phase == "prefill":  # the query tokens' most and the leading decode rows: ints of the step, symbolic
         env = mode.shape_env
-        source = ConstantSource("max_query_len")
-        symbol = env.create_symbol(size["max_query_len"], source, dynamic_dim=DimDynamic.DYNAMIC)
-        args.append(env.create_symintnode(symbol, hint=size["max_query_len"], source=source))
+        for name in ("max_query_len", "num_decodes"):
+            source = ConstantSource(name)
+            symbol = env.create_symbol(size[name], source, dynamic_dim=DimDynamic.DYNAMIC)
+            args.append(env.create_symintnode(symbol, hint=size[name], source=source))
     else:
-        args.append(1)  # decode: one query token per sequence
+        args += [1, 0]  # decode: one query token per sequence, and no split
     cache_shape = (cache_blocks, block_size, kv_heads, head_size)
     for layer in range(num_layers):
         for kind in "kv":
@@ -205,7 +227,10 @@ def _fake_inputs(
     if phase == "prefill":
         order.reverse()
     order += [("block_tables", 1, "max_blocks"), ("cu_seqlens_q", 0, "num_seqs_plus_1"), ("k_cache_0", 0, "num_blocks")]
-    by_input = dict(zip([*BATCH_INPUTS, "k_cache_0"], [*args[:7], args[7] if num_layers else None], strict=True))
+    batch = len(BATCH_INPUTS)
+    by_input = dict(
+        zip([*BATCH_INPUTS, "k_cache_0"], [*args[:batch], args[batch] if num_layers else None], strict=True)
+    )
     names: dict[str, str] = {}
     for input_name, dim, friendly in order:
         value = by_input[input_name]
@@ -213,6 +238,7 @@ def _fake_inputs(
             names.setdefault(str(value.shape[dim].node.expr), friendly)
     if phase == "prefill":
         names.setdefault(str(args[6].node.expr), "max_query_len")
+        names.setdefault(str(args[7].node.expr), "num_decodes")
     return args, names
 
 

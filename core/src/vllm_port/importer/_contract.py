@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..models.llama import paged_attention_step
+from ..models.llama import decode_rows_first, paged_attention_step
 
 __all__ = [
     "CONTRACT_CALLS",
@@ -136,7 +136,11 @@ def contract_attention(
     # squeeze, not flatten(0, 1): the batch is one packed sequence, and a flatten over a symbolic token count
     # traces a size read of the key, which CUDA's rotary/cache-write fusion takes for a non-view read
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
-    return paged_attention_step(ops, q, k, v, (key_cache, value_cache), meta, scale, sliding_window, soft_cap)[None]
+    # the step's leading decode rows apart from its prefill chunks, as the core model serves them (its offsets are
+    # one subtraction a layer here, where the core model takes it once a step)
+    split = decode_rows_first(meta)
+    out = paged_attention_step(ops, q, k, v, (key_cache, value_cache), meta, scale, sliding_window, soft_cap, split)
+    return out[None]
 
 
 #: The layout calls rewritten graphs make besides the contract calls: views, counted as such in the report.

@@ -30,8 +30,10 @@ from .loader import check_dtype, expected_weights, expert_weight_names, fp8_weig
 
 __all__ = [
     "AttentionMetadata",
+    "DecodeRowsFirst",
     "LlamaModel",
     "ModelPart",
+    "decode_rows_first",
     "load_model",
     "paged_attention_step",
     "rope_cos_sin_cache",
@@ -51,6 +53,11 @@ class AttentionMetadata:
         max_query_len: the most query tokens any sequence has in this step.
         is_decode: every sequence has exactly one query token: ``paged_attention`` serves the step,
             else ``prefill_attention`` (which also takes a cached prefix: chunked prefill, prefix hits).
+        num_decodes: in a step that is not a decode step, how many of the first sequences have one query
+            token each (decode rows ahead of prefill chunks, where the scheduler puts them). ``paged_attention``
+            serves those and ``prefill_attention`` the rest: the prefill kernels give every sequence whole tiles
+            of queries, so a decode row among them costs several times what the decode kernel takes for it.
+            0: ``prefill_attention`` serves every sequence.
     """
 
     slot_mapping: torch.Tensor
@@ -59,6 +66,32 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     max_query_len: int
     is_decode: bool
+    num_decodes: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeRowsFirst:
+    """A step's leading decode rows, served apart from its prefill chunks (see ``AttentionMetadata.num_decodes``).
+
+    Attributes:
+        count: the decode rows (the first ``count`` sequences and tokens).
+        prefill_cu_seqlens_q: the offsets of the other sequences' query tokens among themselves.
+    """
+
+    count: int | torch.SymInt
+    prefill_cu_seqlens_q: torch.Tensor
+
+
+def decode_rows_first(meta: AttentionMetadata) -> DecodeRowsFirst | None:
+    """The split of a step's attention into its leading decode rows and the rest, or ``None`` where there is none.
+
+    Computed once a step: the offsets are one subtraction on the device. A traced step (``num_decodes`` symbolic)
+    always splits, so one graph serves steps with and without decode rows.
+    """
+    count = getattr(meta, "num_decodes", 0)
+    if meta.is_decode or (isinstance(count, int) and count == 0):
+        return None
+    return DecodeRowsFirst(count, meta.cu_seqlens_q[count:] - count)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -113,19 +146,40 @@ def paged_attention_step(
     scale: float,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
+    split: DecodeRowsFirst | None = None,
 ) -> torch.Tensor:
     """One layer's attention over the paged cache: the step's keys and values written, then decode or prefill.
 
     ``q`` is ``[tokens, heads, head_size]``, ``k``/``v`` ``[tokens, kv_heads, head_size]``; returns ``q``'s shape.
+    ``split`` (:func:`decode_rows_first`): the step's leading decode rows go to ``paged_attention``, the rest to
+    ``prefill_attention``.
     """
     key_cache, value_cache = kv_cache
     if key_cache.dtype == torch.float8_e4m3fn:
-        return _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap)
+        return _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap, split)
     ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     if meta.is_decode:
         return ops.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, soft_cap
         )
+    if split is not None:
+        n = split.count
+        rows = ops.paged_attention(
+            q[:n], key_cache, value_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, sliding_window, soft_cap
+        )
+        chunks = ops.prefill_attention(
+            q[n:],
+            key_cache,
+            value_cache,
+            meta.block_tables[n:],
+            split.prefill_cu_seqlens_q,
+            meta.seq_lens[n:],
+            meta.max_query_len,
+            scale,
+            sliding_window,
+            soft_cap,
+        )
+        return torch.cat((rows, chunks))
     return ops.prefill_attention(
         q,
         key_cache,
@@ -145,13 +199,21 @@ def paged_attention_step(
 KV_SCALE = 1.0
 
 
-def _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap) -> torch.Tensor:
+def _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap, split) -> torch.Tensor:
     """:func:`paged_attention_step` over an e4m3 cache: the ``*_fp8`` cache ops with :data:`KV_SCALE`."""
     key_cache, value_cache = kv_cache
     ops.reshape_and_cache_fp8(k, v, key_cache, value_cache, meta.slot_mapping, KV_SCALE, KV_SCALE)
     if meta.is_decode:
         return ops.paged_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
                                        sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
+    if split is not None:
+        n = split.count
+        rows = ops.paged_attention_fp8(q[:n], key_cache, value_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
+                                       sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
+        chunks = ops.prefill_attention_fp8(q[n:], key_cache, value_cache, meta.block_tables[n:],
+                                           split.prefill_cu_seqlens_q, meta.seq_lens[n:], meta.max_query_len, scale,
+                                           sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
+        return torch.cat((rows, chunks))
     return ops.prefill_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                                      meta.max_query_len, scale, sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
 
@@ -335,9 +397,10 @@ class LlamaModel:
         (the same computation, so a split model computes what the whole one does).
         """
         eps = self.config.rms_norm_eps
+        split = decode_rows_first(meta)
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            residual = self._attention(ops, layer, hidden, positions, kv_cache, meta) + residual
+            residual = self._attention(ops, layer, hidden, positions, kv_cache, meta, split) + residual
             hidden = ops.rms_norm(residual, layer.post_attention_norm, eps)
             residual = self._mlp(ops, layer, hidden) + residual
             if layer.next_norm is not None:
@@ -352,6 +415,7 @@ class LlamaModel:
         positions: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        split: DecodeRowsFirst | None = None,
     ) -> torch.Tensor:
         c = self.config
         qkv = _project(ops, hidden, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias)
@@ -363,7 +427,7 @@ class LlamaModel:
         q = q.unflatten(-1, (c.num_heads, c.head_size))  # views: [tokens, heads, head_size]
         k = k.unflatten(-1, (c.num_kv_heads, c.head_size))
         v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
-        out = paged_attention_step(ops, q, k, v, kv_cache, meta, self.scale, c.sliding_window)
+        out = paged_attention_step(ops, q, k, v, kv_cache, meta, self.scale, c.sliding_window, split=split)
         return _project(ops, out.flatten(-2), layer.o_weight, layer.o_scale, layer.o_bias)
 
     def _mlp(self, ops: BoundOps, layer: _Layer, hidden: torch.Tensor) -> torch.Tensor:
