@@ -52,8 +52,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--whole-run", action="store_true", help="time every step of the run (no profiler)")
+    parser.add_argument(
+        "--no-split", action="store_true", help="prefill_attention serves mixed steps' decode rows too (the old way)"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.no_split:
+        import vllm_port.engine.runner as runner_module
+
+        runner_module._leading_decode_rows = lambda query_lens: 0
     llm = LLM(
         args.model_dir,
         dtype=args.dtype,
@@ -208,7 +215,8 @@ def whole_run(llm, prompts, args, on_gpu: bool) -> None:
     on_steps_s = sum(s["device_ms"] for s in steps) / 1e3
     first_launch_s = steps[0]["entered"] - start if steps else 0.0
     print(
-        f"{len(prompts)} requests x {args.prompt}/{args.output} tokens, KV cache {args.kv_cache_dtype}: "
+        f"{len(prompts)} requests x {args.prompt}/{args.output} tokens, KV cache {args.kv_cache_dtype}"
+        f"{', mixed steps unsplit' if args.no_split else ''}: "
         f"generate {wall_s:.3f} s, {len(steps)} steps on the timeline {on_steps_s:.3f} s, "
         f"host before the first launch {first_launch_s * 1e3:.1f} ms"
     )
