@@ -81,3 +81,22 @@ def test_the_flat_prefill_graph_splits_and_serves_steps_with_and_without_decode_
         flat.forward(*first()[:2], talk.kv_caches, first()[2])
         ids, positions, meta = mixed(decoders)
         assert_fp32_close(flat.compute_logits(flat.forward(ids, positions, talk.kv_caches, meta)), expected)
+
+
+def test_an_e4m3_cache_splits_the_same_way(models, tiny_dirs, cpu_runtime):
+    """The ``*_fp8`` cache ops take the split too: decode rows through ``paged_attention_fp8``, equal to unsplit."""
+    model = models["llama"]
+    ops = cpu_runtime.bind(torch.float32)
+    got = {}
+    for num_decodes in (0, 2):
+        talk = Conversation(model.config, [9, 7, 12, 14], decode_steps=1, seed=5)
+        talk.model_dir = tiny_dirs["llama"]
+        talk.kv_caches = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in talk.kv_caches]
+        first, mixed, _ = _first_and_mixed(talk, decoders=2)
+        model.forward(ops, *first()[:2], talk.kv_caches, first()[2])
+        ids, positions, meta = mixed(num_decodes)
+        assert (decode_rows_first(meta) is None) == (num_decodes == 0)
+        got[num_decodes] = model.compute_logits(ops, model.forward(ops, ids, positions, talk.kv_caches, meta))
+        assert got[num_decodes].isfinite().all()
+    # the same e4m3 keys and values read by either kernel (their closeness to float is test_kv_fp8.py's business)
+    torch.testing.assert_close(got[2], got[0], atol=1e-5, rtol=1e-5)
