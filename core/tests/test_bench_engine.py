@@ -131,6 +131,19 @@ def test_a_failing_vllm_peer_is_reported_not_raised(tmp_path) -> None:
     assert "error" in r and "exited 1" in r["error"]
 
 
+def test_a_failing_transformers_peer_is_reported_and_the_engine_keeps_its_numbers(tmp_path, monkeypatch) -> None:
+    def fails(*args, **kwargs):
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(engine, "run_transformers", fails)
+    out = tmp_path / "r.json"
+    assert main(["bench", "engine", "--systems", "engine,transformers-compiled", "--json", str(out), *TINY_FLAGS]) == 0
+    result = json.loads(out.read_text())
+    assert result["results"]["transformers-compiled"] == {"error": "RuntimeError: compiler crashed"}
+    assert result["results"]["engine"]["output_tok_s"] > 0
+    assert "| transformers-compiled | error: RuntimeError: compiler crashed |" in engine.render(result)
+
+
 def test_the_shape_flag_names_the_presets_and_qwen3_30b_a3b_is_its_published_shape(tmp_path) -> None:
     from vllm_port.models import load_config
 

@@ -66,6 +66,7 @@ from .engine_workload import (
     expected_experts,
     itemsize,
     kv_token_bytes,
+    release_memory,
     step_weight_bytes,
     weights_label,
 )
@@ -159,15 +160,15 @@ def run_engine(
         llm.close()
 
 
-def _peer_result(name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def _peer_result(name: str, run: Callable[[], dict[str, Any]], device: str) -> dict[str, Any]:
     """``run()``'s result, or ``{"error": ...}`` naming what went wrong: a peer that fails (a compiler's error, out
-    of memory) is reported in the table, and the systems that ran keep their numbers."""
+    of memory) is reported in the table, its memory on ``device`` is given back, and the systems that ran keep
+    their numbers."""
     try:
         return run()
     except Exception as exc:  # the message goes into the results table
         print(f"{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory(device)
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
@@ -437,7 +438,7 @@ def run(
                 if v.weights == "float" and name in systems:
                     where = "cuda" if _on_gpu(device) else "cpu"
                     run = partial(run_transformers, path, prompts, v, where, compiled=name != "transformers")
-                    results[name] = _peer_result(name, run)
+                    results[name] = _peer_result(name, run, where)
             if v.decode_batches:
                 decode += _decode_rates(path, v, device, step, copy_gbs, **kw)
                 copy_gbs = decode[-1]["copy_gbs"]

@@ -246,14 +246,16 @@ def build_model(path: str | os.PathLike[str], w: Workload, seed: int = 0, device
         return path
     finally:
         del model
-        _release(device)
+        release_memory(device)
 
 
-def _release(device: str) -> None:
-    """Give the memory of a model just built on ``device`` back before the run's engines allocate theirs.
+def release_memory(device: str) -> None:
+    """Give the memory of what just ran on ``device`` (a model built, a peer's run) back before the next system
+    allocates its own.
 
-    Its modules may sit in reference cycles, which only the collector frees; the allocator's cache is then
-    emptied, so the engines start on a device that holds nothing of the builder's (16 GB for Llama-3-8B).
+    Its modules may sit in reference cycles, which only the collector frees; the device module's allocator cache
+    (``torch.<device type>.empty_cache``, where it has one) is then emptied, so the next system starts on a device
+    that holds nothing of the last one's (16 GB for Llama-3-8B).
     """
     gc.collect()
     empty_cache = getattr(getattr(torch, torch.device(device).type, None), "empty_cache", None)
