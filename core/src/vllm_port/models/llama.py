@@ -155,67 +155,36 @@ def paged_attention_step(
     ``prefill_attention``.
     """
     key_cache, value_cache = kv_cache
-    if key_cache.dtype == torch.float8_e4m3fn:
-        return _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap, split)
-    ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    if key_cache.dtype == torch.float8_e4m3fn:  # the *_fp8 cache ops, with the cache's scales after the float ops'
+        ops.reshape_and_cache_fp8(k, v, key_cache, value_cache, meta.slot_mapping, KV_SCALE, KV_SCALE)
+        decode, prefill, scales = ops.paged_attention_fp8, ops.prefill_attention_fp8, (KV_SCALE, KV_SCALE)
+    else:
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        decode, prefill, scales = ops.paged_attention, ops.prefill_attention, ()
+    tail = (scale, sliding_window, soft_cap, *scales)
+
+    def rows(q, block_tables, seq_lens):
+        return decode(q, key_cache, value_cache, block_tables, seq_lens, *tail)
+
+    def chunks(q, block_tables, cu_seqlens_q, seq_lens):
+        return prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, meta.max_query_len, *tail)
+
     if meta.is_decode:
-        return ops.paged_attention(
-            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, soft_cap
+        return rows(q, meta.block_tables, meta.seq_lens)
+    if split is None:
+        return chunks(q, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens)
+    n = split.count
+    return torch.cat(
+        (
+            rows(q[:n], meta.block_tables[:n], meta.seq_lens[:n]),
+            chunks(q[n:], meta.block_tables[n:], split.prefill_cu_seqlens_q, meta.seq_lens[n:]),
         )
-    if split is not None:
-        n = split.count
-        rows = ops.paged_attention(
-            q[:n], key_cache, value_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, sliding_window, soft_cap
-        )
-        chunks = ops.prefill_attention(
-            q[n:],
-            key_cache,
-            value_cache,
-            meta.block_tables[n:],
-            split.prefill_cu_seqlens_q,
-            meta.seq_lens[n:],
-            meta.max_query_len,
-            scale,
-            sliding_window,
-            soft_cap,
-        )
-        return torch.cat((rows, chunks))
-    return ops.prefill_attention(
-        q,
-        key_cache,
-        value_cache,
-        meta.block_tables,
-        meta.cu_seqlens_q,
-        meta.seq_lens,
-        meta.max_query_len,
-        scale,
-        sliding_window,
-        soft_cap,
     )
 
 
 #: The FP8 KV cache's scales: 1.0, vLLM's default for ``kv_cache_dtype="fp8"`` without calibrated scales (keys and
 #: values of Llama-family models stay well inside e4m3's +-448).
 KV_SCALE = 1.0
-
-
-def _fp8_cache_attention(ops, q, k, v, kv_cache, meta, scale, sliding_window, soft_cap, split) -> torch.Tensor:
-    """:func:`paged_attention_step` over an e4m3 cache: the ``*_fp8`` cache ops with :data:`KV_SCALE`."""
-    key_cache, value_cache = kv_cache
-    ops.reshape_and_cache_fp8(k, v, key_cache, value_cache, meta.slot_mapping, KV_SCALE, KV_SCALE)
-    if meta.is_decode:
-        return ops.paged_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                                       sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
-    if split is not None:
-        n = split.count
-        rows = ops.paged_attention_fp8(q[:n], key_cache, value_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
-                                       sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
-        chunks = ops.prefill_attention_fp8(q[n:], key_cache, value_cache, meta.block_tables[n:],
-                                           split.prefill_cu_seqlens_q, meta.seq_lens[n:], meta.max_query_len, scale,
-                                           sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
-        return torch.cat((rows, chunks))
-    return ops.prefill_attention_fp8(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
-                                     meta.max_query_len, scale, sliding_window, soft_cap, KV_SCALE, KV_SCALE)  # fmt: skip
 
 
 @dataclass
