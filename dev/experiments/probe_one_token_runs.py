@@ -32,7 +32,7 @@ def main() -> None:
     from vllm_port import LLM
     from vllm_port.bench._decode import greedy, warm_up
     from vllm_port.bench.engine import make_prompts, run_engine
-    from vllm_port.bench.engine_workload import H200_WORKLOAD, build_model
+    from vllm_port.bench.engine_workload import H200_WORKLOAD, build_model, release_memory
 
     model_dir = Path(sys.argv[1])
     w = H200_WORKLOAD
@@ -48,6 +48,7 @@ def main() -> None:
             f"({r['output_tok_s']:,.0f} tok/s) | {allocator()}",
             flush=True,
         )
+        release_memory("cuda")
 
     bench_flow("bench's run_engine")
     llm = LLM(
@@ -75,6 +76,7 @@ def main() -> None:
         timed("whole run, unsplit", 256)
         runner_module._leading_decode_rows = split
     llm.close()
+    release_memory("cuda")
     bench_flow("bench's run_engine again")
 
 
