@@ -85,6 +85,45 @@ def test_stop_tokens_end_requests_whose_next_step_already_ran(llama_model, cpu_r
     assert_pool_empty(ahead)
 
 
+def spy_on_rows(llm: LLM) -> list[tuple[int, ...]]:
+    """Record each launched step's query lengths, one per sequence in it."""
+    rows: list[tuple[int, ...]] = []
+    launch = llm.runner.launch
+
+    def spying(batch, feed=None):
+        rows.append(tuple(batch.query_lens))
+        return launch(batch, feed)
+
+    llm.runner.launch = spying
+    return rows
+
+
+@pytest.mark.parametrize("end", ["max_tokens", "max_model_len"])
+def test_requests_that_end_by_length_get_no_step_after_their_last_token(llama_model, cpu_runtime, end):
+    """A request whose step ahead samples its last token (``max_tokens`` reached, or ``max_model_len``) is not
+    scheduled again: the asynchronous engine runs the synchronous one's steps, row for row. (A one-token run on
+    an H100 computed 4 such rows beside every 4 prompts: 2 more steps, and mixed ones.)"""
+    batch = prompts([9, 14, 6, 11, 8, 13, 7, 10], seed=7)
+    if end == "max_tokens":
+        kw, params = (
+            {},
+            [SamplingParams(max_tokens=1 + i % 3, temperature=0, ignore_eos=True) for i in range(len(batch))],
+        )
+    else:  # every request ends at the model length, each after a few tokens
+        kw, params = {"max_model_len": 17}, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    make = lambda **kw2: make_llm(llama_model, cpu_runtime, max_num_batched_tokens=24, **kw, **kw2)  # noqa: E731
+    sync, ahead = make(async_scheduling=False), make(async_scheduling=True)
+    want_rows, got_rows = spy_on_rows(sync), spy_on_rows(ahead)
+    fed = spy_on_launches(ahead)
+    want = completions(sync.generate(batch, params, use_tqdm=False))
+    got = completions(ahead.generate(batch, params, use_tqdm=False))
+    assert got == want
+    assert {c[4] for c in got} == {"length"}
+    assert got_rows == want_rows
+    assert any(fed)
+    assert_pool_empty(ahead)
+
+
 def test_preemption_chunked_prefill_and_prefix_hits(llama_model, cpu_runtime, alone):
     """16 blocks of 4 tokens for five requests (preemption by recompute), 8-token steps (chunked
     prefill), and prompts sharing an 11-token prefix (cache hits)."""

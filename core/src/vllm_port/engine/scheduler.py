@@ -400,6 +400,8 @@ class Scheduler:
                 break
             if seq.status is not RequestStatus.RUNNING:  # preempted for an earlier request this step
                 continue
+            if seq.token_ids[-1] == PLACEHOLDER and self._ends_by_length(seq):
+                continue  # committed ahead with its last token: it ends when that token is read, and needs no step
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._grow(seq, seq.num_computed_tokens + n, running[i:], out):
                 out.seqs.append(seq)
@@ -522,9 +524,14 @@ class Scheduler:
             return "length" if seq.num_tokens >= self.config.max_model_len else None
         if token in seq.stop_token_ids or in_text:
             return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._ends_by_length(seq):
             return "length"
         return None
+
+    def _ends_by_length(self, seq: Request) -> bool:
+        """Whether ``seq``'s newest token is its last, whatever token it is: ``max_tokens`` generated (never fewer
+        than ``min_tokens``) or ``max_model_len`` reached."""
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     # --- blocks ------------------------------------------------------------------------------------
 
