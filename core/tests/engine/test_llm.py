@@ -13,6 +13,7 @@ import weakref
 import pytest
 from calling_capture import CallingCapture
 from llm_helpers import assert_pool_empty, hf_greedy, make_llm, prompts, token_ids
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from vllm_port import SamplingParams
 from vllm_port.engine.runner import REPLAY_READ_FACTOR, flat_step
@@ -401,6 +402,26 @@ def test_a_closed_captured_engine_frees_its_weights_without_the_garbage_collecto
         del llm
         assert model() is None, [type(r).__name__ for r in gc.get_referrers(model())]
         assert all(w() is None for w in weights), [type(r).__name__ for w in weights for r in gc.get_referrers(w())]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("make_step", [None, _flat_step], ids=["model-forward", "flat-graphs"])
+def test_close_gives_the_kv_cache_back_while_the_engine_is_still_referenced(llama_model, cpu_runtime, alone, make_step):
+    """``close()`` frees the cache's buffer at once, not with the engine's last reference: a closure or a list that
+    still holds the engine must not keep its cache. (On an H100, a closed engine still referenced by a closure kept
+    its 20 GB cache, and the next engine in the process ran out of memory mid-run.)"""
+    batch, params, want = alone
+    gc.collect()
+    gc.disable()
+    try:
+        llm = make_llm(llama_model, cpu_runtime, max_num_batched_tokens=8, block_size=4, make_step=make_step)
+        assert token_ids(llm.generate(batch[:2], params)) == want[:2]
+        buffer = StorageWeakRef(llm.runner.kv.buffer.untyped_storage())  # dies with the last view of the buffer
+        llm.close()
+        assert buffer.expired()
+        with pytest.raises(RuntimeError, match=r"close\(\) was called"):
+            llm.generate(batch[:1], params)
     finally:
         gc.enable()
 

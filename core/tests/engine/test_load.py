@@ -24,6 +24,7 @@ import random
 import resource
 import time
 import tracemalloc
+import weakref
 from dataclasses import dataclass, field
 
 import pytest
@@ -150,6 +151,7 @@ def device_free_llm(model_dir, runtime, pressure: Pressure) -> LLM:
         BlockPool(p.num_swap_blocks, p.block_size),
     )
     llm.runner = CacheModel(p.block_size, p.num_blocks, p.num_swap_blocks)
+    llm._finalizer = weakref.finalize(llm, lambda: None)  # open again, on a runner with nothing to give back
     llm.max_model_len = p.max_model_len
     return llm
 

@@ -543,6 +543,7 @@ class LLM:
     def _requests(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[_Submission]:
+        self._check_open()
         listed = _as_prompt_list(prompts)
         per_prompt = _as_params_list(params, len(listed), self.get_default_sampling_params)
         for p in per_prompt:
@@ -758,6 +759,7 @@ class LLM:
         With ``async_scheduling`` the step read is the one launched before (:mod:`.step_ahead`), and the
         next is launched first where it can be.
         """
+        self._check_open()
         if not self.runs_ahead:
             out, batch = self._schedule()
             self._take_tokens(out, batch, self.runner.execute(batch))
@@ -917,8 +919,15 @@ class LLM:
         return r.detokenizer.matched if r.detokenizer is not None else None
 
     def close(self) -> None:
-        """Give the KV cache's memory back (the object is unusable afterwards)."""
+        """Give the KV cache's memory back now, even while this object is still referenced; it runs no request
+        afterwards (``RuntimeError``). The weights go with the last reference to it."""
         self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError(
+                "LLM.close() was called: its KV cache was given back, so it runs no more requests; create a new LLM"
+            )
 
     def __enter__(self) -> LLM:
         return self

@@ -249,13 +249,14 @@ class ModelRunner:
         return None if self.swap is None else self.swap.pool
 
     def close(self) -> None:
-        """Give the caches' memory back to their allocators, and drop the captured graphs.
+        """Give the caches' memory back to their allocators now, and drop the captured graphs.
 
         The graphs' replays call this runner's step, so runner and graphs hold each other: dropped here, the
         weights and the graphs' memory pools go with the last reference to the runner, without waiting for
         the garbage collector (an engine built next in the process would otherwise load beside them).
         """
         self.kv.close()
+        self.kv_caches = []  # the per-layer views: while one lives, so does the whole buffer
         if self.swap is not None:
             self.swap.close()
         self.decode_graphs = None
