@@ -101,8 +101,8 @@ def spy_on_rows(llm: LLM) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("end", ["max_tokens", "max_model_len"])
 def test_requests_that_end_by_length_get_no_step_after_their_last_token(llama_model, cpu_runtime, end):
     """A request whose step ahead samples its last token (``max_tokens`` reached, or ``max_model_len``) is not
-    scheduled again: the asynchronous engine runs the synchronous one's steps, row for row. (A one-token run on
-    an H100 computed 4 such rows beside every 4 prompts: 2 more steps, and mixed ones.)"""
+    scheduled again: with seats and blocks to spare, the asynchronous engine runs the synchronous one's steps, row
+    for row. (A one-token run on an H100 computed 4 such rows beside every 4 prompts: 2 more steps, and mixed ones.)"""
     batch = prompts([9, 14, 6, 11, 8, 13, 7, 10], seed=7)
     if end == "max_tokens":
         kw, params = (

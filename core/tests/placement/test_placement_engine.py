@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from vllm_port import LLM, SamplingParams
 from vllm_port.placement import PlacementError
@@ -30,6 +31,26 @@ part = ["mlp", "lm_head"]
 def _greedy(llm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"rules": []},
+        {"rules": [{"platform": "cpu-b", "part": "mlp"}]},
+        {"rules": [{"platform": "cpu-b", "layers": "1"}]},
+    ],
+    ids=["nothing-placed", "mlp-placed", "a-layer-placed"],
+)
+def test_close_gives_a_placed_engines_caches_back_while_it_is_still_referenced(llama_dir: Path, platforms, policy):
+    """Where one platform holds every layer's cache, the placed cache keeps that platform's view of the whole buffer
+    (for swapping): ``close()`` drops it too, so the buffer goes at once (``bench placement`` builds its next engine
+    while the last one is still bound)."""
+    llm = LLM(str(llama_dir), placement=policy, devices=["cpu", "cpu-b"], kv_cache_memory=1 << 20, max_num_seqs=2)
+    _greedy(llm)
+    buffers = [StorageWeakRef(c.buffer.untyped_storage()) for c in llm.runner.kv.caches.values()]
+    llm.close()
+    assert buffers and all(b.expired() for b in buffers)
 
 
 @pytest.mark.slow

@@ -291,6 +291,7 @@ class PlacedKVCache:
         for cache in self.caches.values():
             cache.close()
         self.key_caches, self.value_caches = [], []
+        self.blocks = None  # the one platform's view of its whole buffer (above), which would keep it
 
 
 class EnginePlacement:
