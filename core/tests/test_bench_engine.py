@@ -94,7 +94,7 @@ def test_weight_bytes_count_every_matrix_but_the_embedding(tmp_path) -> None:
     assert engine_workload.step_weight_bytes(TINY) == total - embedding.numel() * embedding.element_size()
 
 
-def test_engine_and_transformers_agree_and_report(tmp_path) -> None:
+def test_engine_and_transformers_agree_and_report(tmp_path, capsys) -> None:
     out = tmp_path / "r.json"
     args = [
         "bench", "engine", "--systems", "engine,transformers,transformers-compiled", "--json", str(out),
@@ -112,6 +112,10 @@ def test_engine_and_transformers_agree_and_report(tmp_path) -> None:
         assert r["output_tokens"] == 3 * 4
         assert r["output_tok_s"] > 0 and r["ttft_batch_s"] > 0 and r["elapsed_s"] > 0
     assert result["results"]["engine"]["platform"] == "cpu"
+    # each system's numbers are on stderr as it finishes, so a run its caller cuts short still leaves them
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[bench engine")]
+    assert [line.split("] ")[1].split(":")[0] for line in progress] == list(result["results"])
+    assert all("output tok/s, all first tokens" in line for line in progress)
 
 
 @pytest.mark.slow

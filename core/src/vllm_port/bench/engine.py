@@ -160,6 +160,19 @@ def run_engine(
         llm.close()
 
 
+def _progress(name: str, res: dict[str, Any]) -> None:
+    """One line on stderr as each timed run finishes: a run cut short by a timeout still leaves its numbers."""
+    if "error" in res:
+        said = f"error: {res['error']}"
+    elif "itl_p50_ms" in res:
+        said = f"{res['output_tok_s']:,.0f} output tok/s, ITL p50 {res['itl_p50_ms']:.2f} ms, p99 {res['itl_p99_ms']:.2f} ms"
+    elif "decode_tok_s" in res:
+        said = f"decode {res['decode_tok_s']:,.0f} tok/s, {res['step_ms']:.2f} ms a step"
+    else:
+        said = f"{res['output_tok_s']:,.0f} output tok/s, all first tokens {res['ttft_batch_s']:.3f} s"
+    print(f"[bench engine, {time.strftime('%H:%M:%S')}] {name}: {said}", file=sys.stderr, flush=True)
+
+
 def _peer_result(name: str, run: Callable[[], dict[str, Any]], device: str) -> dict[str, Any]:
     """``run()``'s result, or ``{"error": ...}`` naming what went wrong: a peer that fails (a compiler's error, out
     of memory) is reported in the table, its memory on ``device`` is given back, and the systems that ran keep
@@ -303,6 +316,7 @@ def _decode_rates(
         if experts is not None:
             row.update(experts_read_per_layer=experts, routing=ROUTING_ASSUMPTION)
         rows.append(row)
+        _progress(f"batch {batch} ({weights_label(w)})", row)
     if copy_gbs is None:
         dev = torch.device(device if device and device != "auto" else (_accelerator_type() or "cpu"))
         copy_gbs = copy_bandwidth_gbs(dev, 1 << 30 if dev.type != "cpu" else 256 << 20)
@@ -431,6 +445,7 @@ def run(
             tag = "" if v.weights == "float" else f" ({weights_label(v)})"
             if "engine" in systems:
                 results["engine" + tag] = run_engine(path, prompts, v, device, step, **kw)
+                _progress("engine" + tag, results["engine" + tag])
             if v.weights == "float" and vllm_python and "vllm" in systems:
                 results["vllm"] = run_vllm(vllm_python, path, prompts_file, v, reserve_none=False)
                 results["vllm-all-cores"] = run_vllm(vllm_python, path, prompts_file, v, reserve_none=True)
@@ -439,6 +454,7 @@ def run(
                     where = "cuda" if _on_gpu(device) else "cpu"
                     run = partial(run_transformers, path, prompts, v, where, compiled=name != "transformers")
                     results[name] = _peer_result(name, run, where)
+                    _progress(name, results[name])
             if v.decode_batches:
                 decode += _decode_rates(path, v, device, step, copy_gbs, **kw)
                 copy_gbs = decode[-1]["copy_gbs"]
@@ -446,6 +462,8 @@ def run(
                 mixed = run_mixed(
                     path, v.vocab_size, v.dtype, mixed_requests, v.prompt_len, v.output_len, device, seed, **kw
                 )
+                for name, timed in mixed["runs"].items():
+                    _progress(f"mixed, {name}", timed)
     vllm_rates = [
         results[k]["output_tok_s"] for k in ("vllm", "vllm-all-cores") if "output_tok_s" in results.get(k, {})
     ]
