@@ -100,3 +100,33 @@ def test_an_e4m3_cache_splits_the_same_way(models, tiny_dirs, cpu_runtime):
         assert got[num_decodes].isfinite().all()
     # the same e4m3 keys and values read by either kernel (their closeness to float is test_kv_fp8.py's business)
     torch.testing.assert_close(got[2], got[0], atol=1e-5, rtol=1e-5)
+
+
+def test_an_imported_model_takes_the_split_once_a_step_and_gives_transformers_logits(
+    models, tiny_dirs, cpu_runtime, monkeypatch
+):
+    """An imported model serves decode rows ahead of prefill chunks as the core model does, and takes the split's
+    offsets once for all its layers (one subtraction a step, not one a layer)."""
+    import transformers
+
+    import vllm_port.importer._contract as contract
+    from vllm_port.importer import import_model
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32)
+    imported = import_model(hf, cpu_runtime)
+    taken = []
+    real = contract.decode_rows_first
+    monkeypatch.setattr(contract, "decode_rows_first", lambda meta: taken.append(meta) or real(meta))
+    ops = cpu_runtime.bind(torch.float32)
+    got = {}
+    for num_decodes in (0, 2):
+        talk = Conversation(models["llama"].config, [9, 7, 12, 14], decode_steps=1, seed=3)
+        talk.model_dir = tiny_dirs["llama"]
+        first, mixed, expected = _first_and_mixed(talk, decoders=2)
+        imported.forward(ops, *first()[:2], talk.kv_caches, first()[2])
+        ids, positions, meta = mixed(num_decodes)
+        taken.clear()
+        got[num_decodes] = imported.compute_logits(ops, imported.forward(ops, ids, positions, talk.kv_caches, meta))
+        assert taken == [meta], f"the split was taken {len(taken)} times in a step of {len(imported.layers)} layers"
+        assert_fp32_close(got[num_decodes], expected)
+    torch.testing.assert_close(got[2], got[0], atol=1e-5, rtol=1e-5)

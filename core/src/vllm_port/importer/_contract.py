@@ -10,11 +10,12 @@ function adapts transformers' layouts (``[1, tokens, ...]``, heads before tokens
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..models.llama import decode_rows_first, paged_attention_step
+from ..models.llama import DecodeRowsFirst, decode_rows_first, paged_attention_step
 
 __all__ = [
     "CONTRACT_CALLS",
@@ -27,8 +28,23 @@ __all__ = [
     "contract_rotary",
     "contract_rotary_rows",
     "from_rows",
+    "split_once",
     "to_rows",
 ]
+
+
+@dataclass(frozen=True)
+class SplitOnce:
+    """A step's attention metadata with its decode rows' split (:func:`decode_rows_first`) taken once for all
+    layers: what ``ImportedModel.forward`` hands its layer graphs in place of the metadata itself."""
+
+    meta: Any
+    split: DecodeRowsFirst | None
+
+
+def split_once(meta: Any) -> SplitOnce:
+    """``meta`` with its split taken now: the core model takes it once a step, and so do imported layers."""
+    return SplitOnce(meta, decode_rows_first(meta))
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -136,9 +152,9 @@ def contract_attention(
     # squeeze, not flatten(0, 1): the batch is one packed sequence, and a flatten over a symbolic token count
     # traces a size read of the key, which CUDA's rotary/cache-write fusion takes for a non-view read
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
-    # the step's leading decode rows apart from its prefill chunks, as the core model serves them (its offsets are
-    # one subtraction a layer here, where the core model takes it once a step)
-    split = decode_rows_first(meta)
+    # the step's leading decode rows apart from its prefill chunks, as the core model serves them: the split's
+    # offsets are one subtraction on the device, taken once a step by ImportedModel.forward (split_once)
+    meta, split = (meta.meta, meta.split) if isinstance(meta, SplitOnce) else (meta, decode_rows_first(meta))
     out = paged_attention_step(ops, q, k, v, (key_cache, value_cache), meta, scale, sliding_window, soft_cap, split)
     return out[None]
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ._contract import split_once
 from ._piece import Mapped, PieceReport
 from ._rewrite import rewrite_piece
 from ._trace import EXAMPLE_TOKENS, ImporterError, attention_seam, trace_piece
@@ -94,7 +95,8 @@ class ImportedModel:
     Attributes:
         layers: each decoder layer's rewritten ``torch.fx.GraphModule``; called as
             ``layer(ops, positions, key_cache, value_cache, meta, hidden, cos, sin)``, with ``hidden``
-            (and its result) rows ``[tokens, hidden_size]``.
+            (and its result) rows ``[tokens, hidden_size]`` and ``meta`` the step's attention metadata, or
+            it with its decode rows' split taken once for all layers (``_contract.split_once``).
         embed, norm, lm_head: the other pieces, rewritten the same way (``embed`` gives rows, ``norm``
             takes and gives rows; ``lm_head`` takes ``[1, n, hidden_size]``).
         report: the :class:`ImportReport`.
@@ -144,8 +146,9 @@ class ImportedModel:
         cos = sin = None
         if self._cos_sin is not None:  # a rotary embedding stayed native: it reads the model's cos/sin
             cos, sin = (t[positions].unsqueeze(0) for t in self._cos_sin)
+        step = split_once(meta)  # the decode rows' split, taken once for every layer's attention
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(ops, positions, key_cache, value_cache, meta, hidden, cos, sin)
+            hidden = layer(ops, positions, key_cache, value_cache, step, hidden, cos, sin)
         return self.norm(ops, positions, None, None, meta, hidden)
 
     def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
