@@ -362,6 +362,7 @@ class LLM:
         self.engine_config = config
         #: whether steps run ahead of their tokens: ``async_scheduling`` as given, else resolved for the platform
         self.runs_ahead: bool = config.runs_ahead_on(self.runtime.platform.name)
+        self._empty_caches()  # memory an engine before this one left cached: its sizes would split this one's
         opened = _open_model(config, self.runtime)
         self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
         self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text
@@ -922,6 +923,19 @@ class LLM:
         """Give the KV cache's memory back now, even while this object is still referenced; it runs no request
         afterwards (``RuntimeError``). The weights go with the last reference to it."""
         self._finalizer()
+        self._empty_caches()
+
+    def _empty_caches(self) -> None:
+        """Give what the allocators of the engine's platforms hold cached but unused back to the devices.
+
+        A caching allocator counts those blocks as free, but it can give one back to the device only once all
+        of it is unused. On an H100 the fourth engine of one process could not allocate its 48 GiB KV cache
+        while 62 GiB counted as free, most of it cached for the three engines before it; alone in a new
+        process the same engine could.
+        """
+        platforms = self.placement.platforms if self.placement is not None else None
+        for runtime in [self.runtime] if platforms is None else [platforms[name] for name in platforms]:
+            runtime.allocator().empty_cache()
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
