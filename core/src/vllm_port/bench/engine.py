@@ -144,8 +144,8 @@ def run_engine(
     try:
         warm_up(llm, prompts)
         # the timed runs once, untimed: the whole run's mixed steps carry every count of decode rows from a few to
-        # the batch, and each count may launch the decode kernels at a shape of their own (key splits, merge width)
-        # that compiles on first use. A cold Triton cache put 4.6 s of compiles into an 11.9 s run on an H100.
+        # the batch, and give the attention kernels arguments the warm-up's one mixed step did not (most likely
+        # compiled on first use). On an H100 the first whole run took 11.6 s, the next one 7.2.
         rehearsal = time_decode(llm, prompts, w.output_len)
         timing = time_decode(llm, prompts, w.output_len, whole_run=stream)
         elapsed = timing.total_s

@@ -362,7 +362,7 @@ class LLM:
         self.engine_config = config
         #: whether steps run ahead of their tokens: ``async_scheduling`` as given, else resolved for the platform
         self.runs_ahead: bool = config.runs_ahead_on(self.runtime.platform.name)
-        self._empty_caches()  # memory an engine before this one left cached: its sizes would split this one's
+        self._empty_caches()  # blocks cached for engines gone before count as free, yet go back only whole
         opened = _open_model(config, self.runtime)
         self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
         self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text
