@@ -442,6 +442,28 @@ def test_an_engine_empties_its_allocators_cache_as_it_starts_and_as_it_closes(ll
     assert emptied == [before, before]  # after its cache went back
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_tensor_parallel_ranks_own_their_devices_caches(llama_model, cpu_runtime, monkeypatch, ranks):
+    """An engine of tensor-parallel ranks empties no allocator's cache as it starts: asking a GPU platform's allocator
+    would open a device context in the process that starts the ranks (with ``external_launcher``, in every rank, before
+    it has picked its device)."""
+    import vllm_port.engine.llm as llm_module
+
+    class OpenedError(Exception):
+        pass
+
+    def opened(*args, **kwargs):
+        raise OpenedError  # the model opens right after the caches are emptied
+
+    allocator = cpu_runtime.allocator()
+    emptied = []
+    monkeypatch.setattr(allocator, "empty_cache", lambda: emptied.append(ranks))
+    monkeypatch.setattr(llm_module, "_open_model", opened)
+    with pytest.raises(OpenedError):
+        make_llm(llama_model, cpu_runtime, tensor_parallel_size=ranks)
+    assert emptied == ([1] if ranks == 1 else [])
+
+
 def test_a_prefill_step_reading_more_context_than_its_budget_runs_eagerly(llama_model, cpu_runtime, alone, monkeypatch):
     """One row per token reads each token's context again: past REPLAY_READ_FACTOR times the model's bytes (in
     keys and values) the step runs eagerly, through the prefill kernel; smaller chunks and decode steps still replay."""

@@ -362,7 +362,8 @@ class LLM:
         self.engine_config = config
         #: whether steps run ahead of their tokens: ``async_scheduling`` as given, else resolved for the platform
         self.runs_ahead: bool = config.runs_ahead_on(self.runtime.platform.name)
-        self._empty_caches()  # blocks cached for engines gone before count as free, yet go back only whole
+        if config.ranks == 1:  # with ranks, asking a GPU's allocator here would open a device context in this process
+            self._empty_caches()  # blocks cached for engines gone before count as free, yet go back only whole
         opened = _open_model(config, self.runtime)
         self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
         self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text
@@ -385,7 +386,7 @@ class LLM:
                 else self.runner.capture_steps(config.captured_rows, self.max_model_len, config.replayed_prefill_tokens)
             )
         except BaseException:
-            self.close()
+            self._finalizer()  # the cache back; what went wrong here is what the caller sees
             raise
         self._seeds = random.Random(config.seed)  # noqa: S311 - sampling seeds, not secrets
         self._ids = itertools.count()
@@ -923,7 +924,8 @@ class LLM:
         """Give the KV cache's memory back now, even while this object is still referenced; it runs no request
         afterwards (``RuntimeError``). The weights go with the last reference to it."""
         self._finalizer()
-        self._empty_caches()
+        if self.engine_config.ranks == 1:
+            self._empty_caches()
 
     def _empty_caches(self) -> None:
         """Give what the allocators of the engine's platforms hold cached but unused back to the devices.
