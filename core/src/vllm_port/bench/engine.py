@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from ._decode import decode_rate, time_decode, warm_up
+from ._decode import decode_rate, time_decode
 from .engine_workload import (
     CPU_WORKLOAD,
     FAMILIES,
@@ -143,9 +143,8 @@ def run_engine(
             tokens += len(delta.token_ids)
 
     try:
-        warm_up(llm, prompts)
         # the timed runs once, untimed: the whole run's mixed steps carry every count of decode rows from a few to
-        # the batch, and give the attention kernels arguments the warm-up's one mixed step did not (most likely
+        # the batch, and give the attention kernels arguments a short warm-up's one mixed step did not (most likely
         # compiled on first use). On an H100 the first whole run took 11.6 s, the next one 7.2.
         rehearsal = time_decode(llm, prompts, w.output_len)
         timing = time_decode(llm, prompts, w.output_len, whole_run=stream)
@@ -204,7 +203,7 @@ def run_transformers(
     The model class is the one ``config.json`` names (``AutoModelForCausalLM``); a mixture-of-experts
     model runs ``transformers``' default experts implementation, which the result names. ``compiled``: a
     static cache, whose decode step ``transformers`` compiles (``CompileConfig(mode="reduce-overhead")``)
-    on an accelerator; the warm-up generates the whole output length, so every compilation is behind it.
+    on an accelerator; both timed runs run once untimed first, so every compilation is behind them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -235,8 +234,10 @@ def run_transformers(
         assert out.shape[1] == w.prompt_len + n, out.shape
         return time.perf_counter() - start
 
-    generate(w.output_len if compiled else 2)  # warm-up (a static cache's shapes are the output length's)
-    generate(1), generate(w.output_len)  # the timed runs once untimed, as the engine's rehearsal
+    # the timed runs once untimed, as the engine's rehearsal: first use, and a static cache's compilation for the
+    # output length, happen here
+    generate(1)
+    generate(w.output_len)
     batch_ttft = generate(1)
     elapsed = generate(w.output_len)
     tokens = len(prompts) * w.output_len

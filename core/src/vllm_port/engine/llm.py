@@ -362,8 +362,7 @@ class LLM:
         self.engine_config = config
         #: whether steps run ahead of their tokens: ``async_scheduling`` as given, else resolved for the platform
         self.runs_ahead: bool = config.runs_ahead_on(self.runtime.platform.name)
-        if config.ranks == 1:  # with ranks, asking a GPU's allocator here would open a device context in this process
-            self._empty_caches()  # blocks cached for engines gone before count as free, yet go back only whole
+        self._empty_caches()  # blocks cached for engines gone before count as free, yet go back only whole
         opened = _open_model(config, self.runtime)
         self.model_dir, self.config, self.dtype = opened.model_dir, opened.config, opened.dtype
         self.tokenizer = opened.tokenizer  # None: prompts are token ids, outputs carry no text
@@ -924,8 +923,7 @@ class LLM:
         """Give the KV cache's memory back now, even while this object is still referenced; it runs no request
         afterwards (``RuntimeError``). The weights go with the last reference to it."""
         self._finalizer()
-        if self.engine_config.ranks == 1:
-            self._empty_caches()
+        self._empty_caches()
 
     def _empty_caches(self) -> None:
         """Give what the allocators of the engine's platforms hold cached but unused back to the devices.
@@ -933,8 +931,11 @@ class LLM:
         A caching allocator counts those blocks as free, but it can give one back to the device only once all
         of it is unused. On an H100 the fourth engine of one process could not allocate its 48 GiB KV cache
         while 62 GiB counted as free, most of it cached for the three engines before it; alone in a new
-        process the same engine could.
+        process the same engine could. Not with tensor or pipeline ranks, which own the devices: asking a GPU's
+        allocator here would open a device context in this process.
         """
+        if self.engine_config.ranks != 1:
+            return
         platforms = self.placement.platforms if self.placement is not None else None
         for runtime in [self.runtime] if platforms is None else [platforms[name] for name in platforms]:
             runtime.allocator().empty_cache()
