@@ -4,16 +4,21 @@ On an H100 three engines built, run and closed one after another each left 1.03 
 tensors), the same after every one. This records the allocator's history through one engine's life and prints the
 blocks still allocated after ``close()``, ``del`` and ``gc.collect()``, each with the Python frames that allocated it.
 
-    python dev/experiments/probe_engine_leftover.py MODEL_DIR [--engines 2] [--min-mib 16]
+    python dev/experiments/probe_engine_leftover.py MODEL_DIR [--engines 2] [--min-mib 16] [--build-layers N]
+
+``--build-layers N`` first saves a random model of Llama-3-8B's shape with N layers at MODEL_DIR, unless one is there.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+from vllm_port.bench.engine_workload import H200_WORKLOAD, build_model
 from vllm_port.engine import LLM, SamplingParams
 
 GIB = 1 << 30
@@ -48,7 +53,10 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--min-mib", type=float, default=16)
+    ap.add_argument("--build-layers", type=int, default=0)
     args = ap.parse_args()
+    if args.build_layers and not (Path(args.model) / "config.json").is_file():
+        build_model(args.model, replace(H200_WORKLOAD, num_layers=args.build_layers), device="cuda")
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     print(_line("start"))
     for k in range(args.engines):
@@ -62,7 +70,7 @@ def main() -> None:
         print(_line(f"engine {k} closed, dropped, collected"))
         for size, frames in _live_blocks(int(args.min_mib * (1 << 20))):
             print(f"  live {size / (1 << 20):,.1f} MiB allocated at:")
-            for frame in frames[:14]:
+            for frame in frames[:4]:
                 print(f"      {frame}")
     # who refers to the largest live tensors: gc's view, for a leftover no allocation frame explains
     cuda_tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
