@@ -94,15 +94,21 @@ class DeviceAllocator(Allocator):
 class StreamGraphCapture(GraphCapture):
     """Graph capture through a torch device module's graph API (``torch.cuda``: CUDA and HIP graphs).
 
-    Warm-up runs go on a side stream (lazy initialisation, Triton compiles and autotuning must not
-    be captured), then one run is captured into a graph of ``graph_type``; every graph of one
+    Warm-up runs go on a side stream, one a device for the whole process (lazy initialisation, Triton
+    compiles and autotuning must not be captured), then one run is captured into a graph of ``graph_type``; every graph of one
     capture object shares one memory pool, as the graphs of one runner should.
 
     :param name: what doctor and reports call it, e.g. ``"cuda graphs"``.
     :param torch_device: the torch module with the graph API (``Stream``, ``stream``,
-        ``current_stream``, ``graph``, ``graph_pool_handle``).
+        ``current_stream``, ``current_device``, ``graph``, ``graph_pool_handle``).
     :param graph_type: the name of its graph class in that module (``"CUDAGraph"``).
     """
+
+    #: the warm-up stream of each (device module, device index), shared by every capture of the process. A stream
+    #: of its own per capture came from torch's pool of 32, and cuBLAS keeps a workspace (32 MiB on Hopper) for
+    #: every stream it has run on until the process ends: on an H100, 1 GiB stayed allocated after an engine closed.
+    #: Keyed by the module's stream class too, so a test that fakes the module never gets another's stream.
+    _warmup_streams: ClassVar[dict[tuple[str, int, type], Any]] = {}
 
     def __init__(self, name: str, torch_device: str = "cuda", graph_type: str = "CUDAGraph") -> None:
         self.name = name
@@ -110,13 +116,8 @@ class StreamGraphCapture(GraphCapture):
         self.graph_type = graph_type
         self.pool = torch_device_module(torch_device).graph_pool_handle()
 
-    #: the warm-up stream of each (device module, device index), shared by every capture of the process. A stream
-    #: of its own per capture came from torch's pool of 32, and cuBLAS keeps a workspace (32 MiB on Hopper) for
-    #: every stream it has run on until the process ends: on an H100, 1 GiB stayed allocated after an engine closed.
-    _warmup_streams: ClassVar[dict[tuple[str, int], Any]] = {}
-
     def _warmup_stream(self, module: ModuleType) -> Any:
-        key = (self.torch_device, module.current_device())
+        key = (self.torch_device, module.current_device(), module.Stream)
         if key not in self._warmup_streams:
             self._warmup_streams[key] = module.Stream()
         return self._warmup_streams[key]
