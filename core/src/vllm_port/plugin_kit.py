@@ -95,8 +95,9 @@ class StreamGraphCapture(GraphCapture):
     """Graph capture through a torch device module's graph API (``torch.cuda``: CUDA and HIP graphs).
 
     Warm-up runs go on a side stream, one a device for the whole process (lazy initialisation, Triton
-    compiles and autotuning must not be captured), then one run is captured into a graph of ``graph_type``; every graph of one
-    capture object shares one memory pool, as the graphs of one runner should.
+    compiles and autotuning must not be captured), then one run is captured into a graph of
+    ``graph_type``; every graph of one capture object shares one memory pool, as the graphs of one
+    runner should.
 
     :param name: what doctor and reports call it, e.g. ``"cuda graphs"``.
     :param torch_device: the torch module with the graph API (``Stream``, ``stream``,
