@@ -1,8 +1,9 @@
 """What an engine leaves allocated on the device once it is closed and dropped (issue 30).
 
 On an H100 three engines built, run and closed one after another each left 1.03 GiB allocated (not cached: live
-tensors), the same after every one. This records the allocator's history through each engine's life (two by default) and prints the
-blocks still allocated after ``close()``, ``del`` and ``gc.collect()``, each with the Python frames that allocated it.
+tensors), the same after every one. This records the allocator's history through each engine's life (two by
+default) and prints the blocks still allocated after ``close()``, ``del`` and ``gc.collect()``, each with the Python
+frames that allocated it.
 
     python dev/experiments/probe_engine_leftover.py MODEL_DIR [--engines 2] [--min-mib 16] [--build-layers N]
 
