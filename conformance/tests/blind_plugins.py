@@ -133,7 +133,7 @@ from vllm_port.ops.checks import (
     check_sample,
     check_silu_and_mul,
 )
-from vllm_port.ops.sampling import gumbel_noise
+from vllm_port.ops.sampling import filled_truncation, gumbel_noise
 
 NAME = "blind-ops"
 F32, BF16, F16 = (torch.float32,), (torch.bfloat16,), (torch.float16,)
@@ -331,6 +331,7 @@ def _write_cache(key, value, key_cache, value_cache, slots: torch.Tensor, row_li
 def _sample(logits, temperature, top_k, top_p, seeds, *, k_of=None, filtered_rows=None) -> torch.Tensor:
     """The Gumbel-max sampler; ``k_of(top_k, vocab)`` and ``filtered_rows(top_p)`` are the kernel's own rules."""
     vocab = logits.shape[1]
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)  # None: no row truncates by it
     sampled = temperature > 0
     scores = logits.float() / torch.where(sampled, temperature, 1.0)[:, None]
     ordered, order = scores.sort(dim=-1, descending=True, stable=True)
@@ -725,7 +726,7 @@ def sample_seeds_offset(logits, temperature, top_k, top_p, seeds) -> torch.Tenso
 def sample_int32_top_k(logits, temperature, top_k, top_p, seeds) -> torch.Tensor:
     check_sample(logits, temperature, top_k, top_p, seeds)
     # BUG: one instantiation, for the int64 top_k the engine passes: int32 top_k are read as int64 words
-    read = _int32_words_as_int64(top_k) if top_k.dtype == torch.int32 else top_k
+    read = _int32_words_as_int64(top_k) if top_k is not None and top_k.dtype == torch.int32 else top_k
     return _sample(logits, temperature, read, top_p, seeds)
 
 

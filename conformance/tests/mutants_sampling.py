@@ -16,7 +16,7 @@ import torch
 
 from vllm_port import DeviceInfo, PlatformDescription, ProbeResult, hookimpl
 from vllm_port.ops import Provider
-from vllm_port.ops.sampling import check_sample, gumbel_noise, hash32
+from vllm_port.ops.sampling import check_sample, filled_truncation, gumbel_noise, hash32
 
 
 @hookimpl
@@ -66,6 +66,7 @@ def _own_noise(seeds, vocab, rows_too=False):
 
 def global_rng(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     noise = -torch.log(-torch.log(torch.rand(scores.shape).clamp(1e-7, 1 - 1e-7)))  # the seeds never read
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
@@ -73,6 +74,7 @@ def global_rng(logits, temperature, top_k, top_p, seeds):
 
 def row_shifted_seed(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     noise = gumbel_noise(seeds + torch.arange(len(seeds)), logits.shape[1])  # the row index as an offset
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
@@ -80,6 +82,7 @@ def row_shifted_seed(logits, temperature, top_k, top_p, seeds):
 
 def neighbour_seed(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     noise = gumbel_noise(seeds + seeds.roll(1), logits.shape[1])  # request i-1's seed mixed into request i's
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
@@ -87,18 +90,21 @@ def neighbour_seed(logits, temperature, top_k, top_p, seeds):
 
 def temperature_twice(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(_scores(logits, temperature), temperature)  # once in the model runner, once here
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
 
 
 def temperature_off_5pct(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature * 1.05)
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
 
 
 def scores_in_bf16(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     divisor = torch.where(temperature > 0, temperature, 1.0).to(logits.dtype)
     scores = (logits / divisor[:, None]).float()  # divided in bfloat16: each score rounded to 8 bits
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
@@ -106,6 +112,7 @@ def scores_in_bf16(logits, temperature, top_k, top_p, seeds):
 
 def top_k_plus_one(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     keep = _keep(scores, torch.where(top_k > 0, top_k + 1, top_k), top_p)  # `<=` where `<` was meant
     return _draw(logits, temperature, scores, keep, gumbel_noise(seeds, logits.shape[1]))
@@ -113,6 +120,7 @@ def top_k_plus_one(logits, temperature, top_k, top_p, seeds):
 
 def top_p_ignored(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     keep = _keep(scores, top_k, torch.ones_like(top_p))
     return _draw(logits, temperature, scores, keep, gumbel_noise(seeds, logits.shape[1]))
@@ -120,6 +128,7 @@ def top_p_ignored(logits, temperature, top_k, top_p, seeds):
 
 def top_p_first(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     keep = _keep(scores, top_k, top_p, top_p_first=True)
     return _draw(logits, temperature, scores, keep, gumbel_noise(seeds, logits.shape[1]))
@@ -127,6 +136,7 @@ def top_p_first(logits, temperature, top_k, top_p, seeds):
 
 def greedy_last_max(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     drawn = (scores.masked_fill(~_keep(scores, top_k, top_p), float("-inf")) + gumbel_noise(seeds, logits.shape[1]))
     last_max = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)  # ties go to the highest id
@@ -135,12 +145,14 @@ def greedy_last_max(logits, temperature, top_k, top_p, seeds):
 
 def statistical_temperature_off(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature * 1.1)
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), _own_noise(seeds, logits.shape[1]))
 
 
 def statistical_top_k_ignored(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     keep = _keep(scores, torch.zeros_like(top_k), top_p)
     return _draw(logits, temperature, scores, keep, _own_noise(seeds, logits.shape[1]))
@@ -148,6 +160,7 @@ def statistical_top_k_ignored(logits, temperature, top_k, top_p, seeds):
 
 def statistical_row_keyed(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     noise = _own_noise(seeds, logits.shape[1], rows_too=True)  # a Philox subsequence per batch row
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
@@ -155,6 +168,7 @@ def statistical_row_keyed(logits, temperature, top_k, top_p, seeds):
 
 def top_k_minus_one_is_one(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     k = torch.where(top_k == 0, logits.shape[1], top_k).clamp(min=1)  # only 0 means "all": -1 keeps one token
     return _draw(logits, temperature, scores, _keep(scores, k, top_p), gumbel_noise(seeds, logits.shape[1]))
@@ -162,6 +176,7 @@ def top_k_minus_one_is_one(logits, temperature, top_k, top_p, seeds):
 
 def int64_top_k_as_int32(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     if top_k.dtype == torch.int64:  # read through an int32 pointer: the high words (0, "all") land between the ks
         top_k = top_k.contiguous().view(torch.int32)[: top_k.shape[0]]
     scores = _scores(logits, temperature)
@@ -170,7 +185,17 @@ def int64_top_k_as_int32(logits, temperature, top_k, top_p, seeds):
 
 def top_p_from_storage_start(logits, temperature, top_k, top_p, seeds):
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     top_p = top_p.as_strided(top_p.shape, top_p.stride(), 0)  # the engine's top_p is the second half of one upload
+    scores = _scores(logits, temperature)
+    return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
+
+
+def untruncated_is_greedy(logits, temperature, top_k, top_p, seeds):
+    check_sample(logits, temperature, top_k, top_p, seeds)
+    if top_k is None and top_p is None:  # the fast path for "nothing truncates" forgets the noise: every row greedy
+        return logits.argmax(dim=-1)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
 
@@ -192,6 +217,7 @@ def vllm_port_providers():
         ("top_k_minus_one_sample", top_k_minus_one_is_one, f32),
         ("int64_top_k_sample", int64_top_k_as_int32, f32),
         ("top_p_offset_sample", top_p_from_storage_start, f32),
+        ("untruncated_greedy_sample", untruncated_is_greedy, f32),
     ]
     statistical = [
         ("statistical_temperature_sample", statistical_temperature_off, f32),
@@ -299,6 +325,12 @@ GROUPS = [
                 "top_p_offset_sample",
                 "top_p's storage offset is dropped (the engine's top_p is the second half of one float upload)",
                 "256 rows: int32 index views of one buffer, every tensor at a storage offset",
+                "the reference draws",
+            ),
+            _bitwise(
+                "untruncated_greedy_sample",
+                "its path for top_k and top_p None (nothing truncates) forgets the noise: sampled rows draw the argmax",
+                "top_k and top_p None, greedy rows among sampled",
                 "the reference draws",
             ),
             Mutant(

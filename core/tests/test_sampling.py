@@ -20,6 +20,7 @@ from vllm_port.ops.sampling import (
     check_draw_distribution,
     check_reference_draws,
     distribution_samples,
+    filled_truncation,
     gumbel_noise,
     hash32,
     reference_probabilities,
@@ -43,6 +44,7 @@ def sampler(*, scale=None, noise=None, k_shift=0, temperature_factor=1.0, top_p_
     """``sample_reference`` rebuilt with one part swapped: how scores are scaled, the noise, top-k, the top-p sum."""
 
     def fn(logits, temperature, top_k, top_p, seeds):
+        top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
         t = torch.where(temperature > 0, temperature * temperature_factor, 1.0)
         scores = scale(logits, t) if scale else logits.float() / t[:, None]
         vocab = logits.shape[1]
@@ -176,7 +178,8 @@ def test_the_distribution_cases_suit_a_chi_square_test():
     # every kept token expected at least 5 times (the G statistic is then chi-square distributed), and no top-p
     # edge within 0.01 of its threshold, so rounding cannot move a token in or out
     for case in distribution_samples(torch.float16, CPU):
-        logits, temperature, top_k, top_p, _ = (a[:1] for a in case.args)
+        logits, temperature, top_k, top_p, _ = (None if a is None else a[:1] for a in case.args)
+        top_k, top_p = filled_truncation(top_k, top_p, 1, logits.device)
         probs = reference_probabilities(logits, temperature, top_k, top_p)[0]
         draws = case.args[0].shape[0]
         assert float(draws * probs[probs > 0].min()) >= 5, case.label

@@ -1,12 +1,14 @@
 """Device time of a step's sampling at Llama-3's vocabulary (issue 30): what a sampled (not greedy) step pays.
 
 The engine takes the argmax itself when every row is greedy; a step with any sampled row calls the bound
-``sample`` provider, whose Triton path sorts every row's whole vocabulary to find what top-k/top-p keep, even
-when no row truncates (``top_k`` 0 and ``top_p`` 1: vLLM's default ``SamplingParams``). This times, with the L2
-flushed (``triton.testing.do_bench``), at 1, 64 and 256 rows of 128,256 bf16 logits:
+``sample`` provider, whose Triton path sorts every row's whole vocabulary to find what top-k/top-p keep unless
+the caller passes ``top_k`` and ``top_p`` as ``None`` (no row truncates: what the engine passes for vLLM's default
+``SamplingParams``). This times, with the L2 flushed (``triton.testing.do_bench``), at 1, 64 and 256 rows of
+128,256 bf16 logits:
 
 - greedy: what the engine runs for all-greedy steps (widen, sum for the finite flags, argmax);
-- sample, temperature 1 and nothing truncated; the same with top-p 0.9 and top-k 50;
+- sample, temperature 1 and nothing truncated, as tensors (``top_k`` 0, ``top_p`` 1: the sort runs) and as
+  ``None`` (no sort); the same with top-p 0.9 and top-k 50;
 - the stable sort alone, of the rows' float32 scores.
 
     python3 dev/experiments/probe_sample_cost.py
@@ -39,7 +41,8 @@ def _cases(sample: Callable[..., torch.Tensor], rows: int) -> dict[str, Callable
 
     return {
         "greedy (the engine's own argmax)": greedy,
-        "sample, T=1, no top-k/top-p": lambda: sample(logits, ones, no_k, ones, seeds),
+        "sample, T=1, top-k 0, top-p 1": lambda: sample(logits, ones, no_k, ones, seeds),
+        "sample, T=1, top-k/top-p None": lambda: sample(logits, ones, None, None, seeds),
         "sample, T=1, top-p 0.9, top-k 50": lambda: sample(logits, ones, top_k, top_p, seeds),
         "stable sort of the float32 scores": lambda: logits.float().sort(dim=-1, descending=True, stable=True),
     }

@@ -19,6 +19,7 @@ from vllm_port import SamplingParams
 from vllm_port.engine.runner import REPLAY_READ_FACTOR, flat_step
 from vllm_port.errors import ModelLoadError
 from vllm_port.flat import FlatModel
+from vllm_port.ops.sampling import filled_truncation
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -90,6 +91,46 @@ def test_seeded_sampling_is_reproducible(llama_model, cpu_runtime):
     unseeded = SamplingParams(temperature=1.0, max_tokens=16)
     a, b = (token_ids(make_llm(llama_model, cpu_runtime, seed=5).generate(batch, unseeded)) for _ in range(2))
     assert a == b  # the engine's seed makes unseeded requests reproducible too
+    assert_pool_empty(llm)
+
+
+def test_a_step_that_truncates_nothing_passes_top_k_and_top_p_as_none(llama_model, cpu_runtime):
+    # SamplingParams' defaults (top_k -1, top_p 1) and a top_k past the vocabulary truncate nothing: the engine
+    # says so with None, which spares a GPU provider its sort; the draws equal those made with the tensors
+    batch = prompts([5, 9, 13], seed=3)
+    llm = make_llm(llama_model, cpu_runtime)
+    vocab = llm.runner.model.config.vocab_size
+    real, seen = llm.runner.ops.sample, []
+
+    def spy(logits, temperature, top_k, top_p, seeds):
+        seen.append((top_k is None, top_p is None))
+        return real(logits, temperature, top_k, top_p, seeds)
+
+    def filled(logits, temperature, top_k, top_p, seeds):  # what the engine passed before: always tensors
+        top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+        return real(logits, temperature, top_k, top_p, seeds)
+
+    cases = {
+        "defaults": ([SamplingParams(temperature=1.0, max_tokens=6, seed=1)] * 3, {(True, True)}),
+        "top_k past the vocabulary, a greedy row": (
+            [SamplingParams(temperature=0.8, top_k=vocab + 5, max_tokens=6, seed=2), GREEDY] * 2,
+            {(True, True)},
+        ),
+        "top_p": ([SamplingParams(temperature=1.0, top_p=0.8, max_tokens=6, seed=3)] * 3, {(True, False)}),
+        "top_k on one row": (
+            [SamplingParams(temperature=1.0, top_k=5, max_tokens=6, seed=4), SamplingParams(max_tokens=6, seed=5)] * 2,
+            {(False, True)},
+        ),
+    }
+    for label, (params, want) in cases.items():
+        params = params[: len(batch)]
+        seen.clear()
+        llm.runner.ops.sample = spy
+        got = token_ids(llm.generate(batch, params))
+        assert set(seen) == want, label
+        llm.runner.ops.sample = filled
+        assert token_ids(llm.generate(batch, params)) == got, label
+        llm.runner.ops.sample = real
     assert_pool_empty(llm)
 
 

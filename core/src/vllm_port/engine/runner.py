@@ -397,7 +397,11 @@ class ModelRunner:
                 # penalties, min_p, biases and bans: only in a step where some request has them
                 processed = self._processed(batch, usable, temperature) if batch.processing else usable
                 if any(batch.temperatures):
-                    sampled = self.ops.sample(processed, temperature, top_k, top_p, seeds)
+                    # None where no sampled row truncates (SamplingParams' defaults): the provider skips its sort
+                    by_k, by_p = _truncates(batch, logits.shape[-1])
+                    sampled = self.ops.sample(
+                        processed, temperature, top_k if by_k else None, top_p if by_p else None, seeds
+                    )
                 else:  # every row greedy: the argmax of the processed logits (lowest id on ties)
                     sampled = _argmax_rows(processed)
                 sampled = self._checked_ids(sampled, len(rows))
@@ -718,6 +722,15 @@ def _leading_decode_rows(query_lens: list[int]) -> int:
         if n != 1:
             return i
     return len(query_lens)
+
+
+def _truncates(batch: StepBatch, vocab: int) -> tuple[bool, bool]:
+    """Whether some sampled row of ``batch`` truncates by top-k (``0 < k < vocab``), and by top-p (``p < 1``)."""
+    sampled = [i for i, t in enumerate(batch.temperatures) if t > 0]
+    return (
+        any(0 < batch.top_ks[i] < vocab for i in sampled),
+        any(batch.top_ps[i] < 1 for i in sampled),
+    )
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:

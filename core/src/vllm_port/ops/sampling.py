@@ -6,6 +6,11 @@ synchronisation, and it traces under torch.compile. The engine passes a new seed
 (e.g. ``seed + step``). Sampling is the Gumbel-max trick: ``argmax(logits / T + gumbel)`` draws
 from ``softmax(logits / T)`` restricted to the tokens top-k and top-p keep.
 
+``top_k`` and ``top_p`` may each be ``None``, as in vLLM's sampler: no row truncates by it (every
+row's top-k is 0, every row's top-p is 1). The caller knows that on the host, where a provider
+could only learn it by reading the device; with both ``None`` a provider skips the work top-k and
+top-p take (on a GPU, a sort of every row's vocabulary: most of a sampled step's sampler).
+
 How conformance judges a provider (every rule below names the check that enforces it):
 
 - **Every provider** returns int64 ids, only tokens temperature/top-k/top-p allow, the exact argmax
@@ -54,6 +59,7 @@ __all__ = [
     "check_reference_draws",
     "check_sample",
     "distribution_samples",
+    "filled_truncation",
     "gumbel_noise",
     "hash32",
     "reference_probabilities",
@@ -101,6 +107,17 @@ def gumbel_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return u.log_().neg_().log_().neg_()  # -log(-log(u))
 
 
+def filled_truncation(
+    top_k: torch.Tensor | None, top_p: torch.Tensor | None, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_k`` and ``top_p`` as tensors: ``None`` becomes top-k 0 and top-p 1 for each of the ``rows`` (no truncation)."""
+    if top_k is None:
+        top_k = torch.zeros(rows, dtype=torch.int32, device=device)
+    if top_p is None:
+        top_p = torch.ones(rows, dtype=torch.float32, device=device)
+    return top_k, top_p
+
+
 def check_sample(logits, temperature, top_k, top_p, seeds) -> None:
     """Refuse arguments outside ``sample``'s contract; parameter values and NaN logits are checked under validation."""
     check_float("sample", "logits", logits)
@@ -115,28 +132,35 @@ def check_sample(logits, temperature, top_k, top_p, seeds) -> None:
         ("top_p", top_p, (torch.float32,)),
         ("seeds", seeds, (torch.int64,)),
     ):
+        if t is None and arg in ("top_k", "top_p"):
+            continue  # no row truncates by it
         if not isinstance(t, torch.Tensor) or t.dtype not in kinds or t.shape != (rows,):
             want = " or ".join(str(k).removeprefix("torch.") for k in kinds)
-            raise OpInputError(f"sample: {arg} must be a {want} tensor of shape [{rows}] (one value per sequence)")
+            optional = ", or None when no row truncates by it" if arg in ("top_k", "top_p") else ""
+            raise OpInputError(
+                f"sample: {arg} must be a {want} tensor of shape [{rows}] (one value per sequence){optional}"
+            )
         if t.device != logits.device:
             raise OpInputError(
                 f"sample: {arg} is on {t.device} but logits is on {logits.device}; move them to one device"
             )
-    if reads_values(logits, temperature, top_p):
+    if reads_values(logits, temperature):
         _check_sample_values(logits, temperature, top_p)
 
 
-def _check_sample_values(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> None:
+def _check_sample_values(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None) -> None:
     """Values: temperatures finite and >= 0, top_p in (0, 1], no NaN logit. Every top_k has a meaning (<= 0: all)."""
-    for arg, t, bad, rule in (
+    checks = [
         (
             "temperature",
             temperature,
             ~(temperature.isfinite() & (temperature >= 0)),
             "a finite number >= 0 (0 is greedy)",
-        ),
-        ("top_p", top_p, ~((top_p > 0) & (top_p <= 1)), "in (0, 1] (1 keeps every token)"),
-    ):
+        )
+    ]
+    if top_p is not None:
+        checks.append(("top_p", top_p, ~((top_p > 0) & (top_p <= 1)), "in (0, 1] (1 keeps every token)"))
+    for arg, t, bad, rule in checks:
         at = first_bad(bad)
         if at is not None:
             raise OpInputError(f"sample: {arg}[{at[0]}] is {float(t[at]):g}; it must be {rule}")
@@ -149,7 +173,11 @@ def _check_sample_values(logits: torch.Tensor, temperature: torch.Tensor, top_p:
 
 
 def sample_reference(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    seeds: torch.Tensor,
 ) -> torch.Tensor:
     """One token id per sequence (int64 ``[num_seqs]``).
 
@@ -158,8 +186,10 @@ def sample_reference(
     largest (``top_k <= 0``: all; ties at the k-th score keep the lowest ids) and outside the
     smallest set whose probability reaches ``top_p`` (in (0, 1]; 1: all; the most likely token is
     always kept) are removed, and a token is drawn with :func:`gumbel_noise` from ``seeds``.
+    ``top_k``/``top_p`` ``None``: no row truncates by it.
     """
     check_sample(logits, temperature, top_k, top_p, seeds)
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     vocab = logits.shape[1]
     scores = _scores(logits, temperature)
     ordered, order = scores.sort(dim=-1, descending=True, stable=True)
@@ -206,20 +236,25 @@ def _kept(
 
 
 def allowed_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """``[num_seqs, vocab]`` mask of the tokens any correct sampler may return, bitwise or statistical.
 
     Sampled rows: what top-k and top-p keep, with :data:`TOP_P_SLACK` at the top-p edge and any token
-    tied with the k-th score; greedy rows: every maximal logit.
+    tied with the k-th score; greedy rows: every maximal logit. ``top_k``/``top_p`` may be ``None``, as for ``sample``.
     """
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     (kept,) = _kept(_scores(logits, temperature), top_k, top_p, (TOP_P_SLACK,), ties=True)
     greedy = logits == logits.max(dim=-1, keepdim=True).values
     return torch.where((temperature > 0)[:, None], kept, greedy)
 
 
 def acceptable_draws(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    seeds: torch.Tensor,
 ) -> torch.Tensor:
     """``[num_seqs, vocab]`` mask of the tokens a bitwise provider may draw: in nearly every row only the reference's.
 
@@ -228,6 +263,7 @@ def acceptable_draws(
     reaches the best perturbed score, lowered by the margin, of the tokens that must be kept. Greedy
     rows: the first maximal logit only.
     """
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     surely, maybe = _kept(scores, top_k, top_p, (-TOP_P_SLACK, TOP_P_SLACK), ties=False)
     noise = gumbel_noise(seeds, logits.shape[1]).double()
@@ -246,6 +282,17 @@ def _output_problem(got: Any, rows: int, vocab: int) -> str | None:
     if not bool((tokens >= 0).all() and (tokens < vocab).all()):
         return f"returned ids outside the vocabulary [0, {vocab}): {tokens.tolist()[:16]}"
     return None
+
+
+def _on_host(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """``sample``'s arguments on the host, a ``None`` top_k/top_p filled in (what the oracles read)."""
+    logits, temperature, top_k, top_p, seeds = args
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    return tuple(a.cpu() for a in (logits, temperature, top_k, top_p, seeds))
+
+
+def _flipped(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.flip(0)
 
 
 def _row(args: tuple[Any, ...], row: int) -> str:
@@ -273,7 +320,7 @@ def _check_sampler(op: Op, fn: Callable[..., Any], args: tuple[Any, ...], dtype:
     problem = _output_problem(got, *logits.shape)
     if problem:
         return problem
-    tokens, host = got.cpu(), tuple(a.cpu() for a in args)
+    tokens, host = got.cpu(), _on_host(args)
     bad = ~allowed_tokens(*host[:4]).gather(1, tokens[:, None])[:, 0]
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
@@ -298,7 +345,7 @@ def _check_sampler(op: Op, fn: Callable[..., Any], args: tuple[Any, ...], dtype:
         )
     # reversed rows, odd rows (in the original order) reseeded: a row keeping its seed must keep its draw
     reseeded = _reseed_odd_rows(seeds)
-    moved = fn(logits.flip(0), temperature.flip(0), top_k.flip(0), top_p.flip(0), reseeded.flip(0)).cpu().flip(0)
+    moved = fn(logits.flip(0), temperature.flip(0), _flipped(top_k), _flipped(top_p), reseeded.flip(0)).cpu().flip(0)
     wrong = (moved != tokens) & (reseeded.cpu() == host[4])
     if bool(wrong.any()):
         row = int(wrong.nonzero()[0])
@@ -320,7 +367,7 @@ def check_reference_draws(fn: Callable[..., Any], args: tuple[Any, ...]) -> str 
     problem = _output_problem(got, *args[0].shape)
     if problem:
         return problem
-    tokens, host = got.cpu(), tuple(a.cpu() for a in args)
+    tokens, host = got.cpu(), _on_host(args)
     ok = acceptable_draws(*host).gather(1, tokens[:, None])[:, 0]
     return None if bool(ok.all()) else _not_the_reference(host, tokens, ok)
 
@@ -363,6 +410,7 @@ _DISTRIBUTION_CASES = (
     ("top-p 0.6", 1.0, 0, 0.6, 20_000),
     ("temperature 1.2, top-k 12, top-p 0.9", 1.2, 12, 0.9, 20_000),
     ("engine defaults: top_k -1, top_p 1", 1.0, -1, 1.0, 20_000),
+    ("nothing truncated: top_k and top_p None", 1.0, None, None, 20_000),
 )
 
 
@@ -375,8 +423,8 @@ def distribution_samples(dtype: torch.dtype, device: torch.device) -> list[Sampl
         args = (
             row.to(device, dtype).expand(draws, -1).contiguous(),
             torch.full((draws,), temperature, device=device),
-            torch.full((draws,), top_k, dtype=torch.int32, device=device),
-            torch.full((draws,), top_p, device=device),
+            None if top_k is None else torch.full((draws,), top_k, dtype=torch.int32, device=device),
+            None if top_p is None else torch.full((draws,), top_p, device=device),
             torch.randint(-(2**63), 2**63 - 1, (draws,), generator=gen, dtype=torch.int64).to(device),
         )
         cases.append(SampleInput(label, args))
@@ -384,9 +432,10 @@ def distribution_samples(dtype: torch.dtype, device: torch.device) -> list[Sampl
 
 
 def reference_probabilities(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """``[num_seqs, vocab]`` float64: the distribution :func:`sample_reference` draws from (0 where greedy)."""
+    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
     scores = _scores(logits, temperature)
     (kept,) = _kept(scores, top_k, top_p, (0.0,), ties=False)
     probs = torch.softmax(scores.double().masked_fill(~kept, float("-inf")), dim=-1)
@@ -409,7 +458,7 @@ def check_draw_distribution(
     if problem:
         return problem
     counts = torch.bincount(got.cpu(), minlength=vocab).double()
-    probs = reference_probabilities(*(a[:1].cpu() for a in args[:4]))[0]
+    probs = reference_probabilities(*(a[:1] for a in _on_host(args)[:4]))[0]
     kept = probs > 0
     if bool((counts * ~kept).any()):
         token = int((counts * ~kept).argmax())
@@ -449,8 +498,8 @@ def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> 
             (
                 logits.to(device, dtype),
                 torch.tensor(temperature, dtype=torch.float32, device=device),
-                torch.tensor(top_k, dtype=torch.int32, device=device),
-                torch.tensor(top_p, dtype=torch.float32, device=device),
+                None if top_k is None else torch.tensor(top_k, dtype=torch.int32, device=device),
+                None if top_p is None else torch.tensor(top_p, dtype=torch.float32, device=device),
                 torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen, dtype=torch.int64).to(device),
             ),
             large=vocab >= 32000,  # the vocabularies of real models: a fraction of a second, minutes interpreted
@@ -460,13 +509,12 @@ def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> 
         """``rows`` values drawn from ``choices`` (per-row parameters of a mixed batch)."""
         return [choices[i] for i in torch.randint(0, len(choices), (rows,), generator=gen).tolist()]
 
-    def mixed(label, rows, vocab):
+    def mixed(label, rows, vocab, truncating=True):
+        temperature = pick(rows, [0.0, 0.3, 0.7, 1.0, 1.0, 1.5])
+        if not truncating:
+            return case(label, vocab, temperature, None, None)
         return case(
-            label,
-            vocab,
-            pick(rows, [0.0, 0.3, 0.7, 1.0, 1.0, 1.5]),
-            pick(rows, [0, 0, 1, 5, 40, vocab]),
-            pick(rows, [1.0, 1.0, 0.95, 0.8, 0.3, 1e-6]),
+            label, vocab, temperature, pick(rows, [0, 0, 1, 5, 40, vocab]), pick(rows, [1.0, 1.0, 0.95, 0.8, 0.3, 1e-6])
         )
 
     return [
@@ -506,8 +554,14 @@ def _samples(dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> 
             [1.0] * 16,
         ),
         case("top_k -1 with top_p per row", 100, [1.0] * 8, [-1] * 8, [0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0, 0.6]),
+        # None: the caller knows no row truncates by it (the engine's sampled steps with SamplingParams' defaults)
+        case("top_k and top_p None, greedy rows among sampled", 100, [0.0, 0.7, 1.0, 1.5] * 4, None, None),
+        case("top_k None, top_p per row", 100, [1.0, 0.7] * 4, None, [0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0, 0.6]),
+        case("top_p None, top_k per row", 100, [1.0, 0.7] * 4, [1, 2, 5, 20, 99, 100, 0, -1], None, scale=1.0),
+        mixed("mixed batch, nothing truncated", 64, 1000, truncating=False),
         case("llama2 vocabulary", 32000, [0.0, 0.7, 1.3], [0, 50, 1000], [1.0, 0.9, 0.95]),
         case("llama3-8b vocabulary", 128256, [0.0, 0.7], [0, 50], [1.0, 0.9]),
+        case("llama3-8b vocabulary, nothing truncated", 128256, [0.0, 1.0, 0.6], None, None),
         case("qwen2 vocabulary", 151936, [0.8, 1.2], [20, 0], [0.95, 1.0]),
     ]
 
@@ -525,6 +579,7 @@ def _errors(device: torch.device) -> list[ErrorInput]:
         ErrorInput("temperature per batch, not per sequence", (logits, t[:1], k, p, seeds), "temperature must be"),
         ErrorInput("float top_k", (logits, t, p, p, seeds), "top_k must be"),
         ErrorInput("int32 seeds", (logits, t, k, p, k), "seeds must be"),
+        ErrorInput("seeds None (only top_k and top_p may be None)", (logits, t, None, None, None), "seeds must be"),
     ]
 
 

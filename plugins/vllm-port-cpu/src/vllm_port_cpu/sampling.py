@@ -14,20 +14,28 @@ import torch
 
 from vllm_port.ops import provider
 from vllm_port.ops.logits import check_process_logits, check_top_logprobs
-from vllm_port.ops.sampling import check_sample, gumbel_noise
+from vllm_port.ops.sampling import check_sample, filled_truncation, gumbel_noise
 
 __all__ = ["process_logits", "sample", "top_logprobs"]
 
 
 @provider("sample", name="cpu_sample", priority=10)
 def sample(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    seeds: torch.Tensor,
 ) -> torch.Tensor:
     check_sample(logits, temperature, top_k, top_p, seeds)
-    vocab = logits.shape[1]
+    rows, vocab = logits.shape
     sampled = temperature > 0
     scores = logits.float() / torch.where(sampled, temperature, 1.0)[:, None]
-    truncating = (sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))).nonzero().flatten()
+    if top_k is None and top_p is None:  # the caller says no row truncates
+        truncating = torch.empty(0, dtype=torch.int64)
+    else:
+        top_k, top_p = filled_truncation(top_k, top_p, rows, logits.device)
+        truncating = (sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))).nonzero().flatten()
     if truncating.numel():  # a host read of host tensors: the rows that keep every token skip the sort
         rows = scores.index_select(0, truncating)
         scores.index_copy_(0, truncating, _truncated(rows, top_k.index_select(0, truncating), top_p[truncating]))

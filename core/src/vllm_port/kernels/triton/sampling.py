@@ -7,8 +7,9 @@ tokens top-k and top-p keep, the noise a hash of ``(seed, token id)``. Here:
    descending sort, a softmax and a cumulative sum: torch does these well). The kept tokens are
    a prefix of that sort order, so the decision shrinks to the last kept entry: its score and
    token id. A token is kept when its score is greater, or equal with an id no larger (the stable
-   sort puts equal scores in id order). This always runs, for every row: choosing on the host
-   whether any row needs it would read the GPU.
+   sort puts equal scores in id order). Which rows need it the provider cannot tell without
+   reading the GPU, so the sort runs for every row, unless the caller passes ``top_k`` and ``top_p``
+   as ``None`` (no row truncates): then there is no sort, and every token is kept.
 2. One Triton pass over the vocabulary per row scales the logits by the temperature, applies
    that threshold, adds the Gumbel noise (the reference's hash, reproduced bit for bit) and keeps a
    running argmax; greedy rows (``temperature <= 0``) take the plain argmax of the logits and skip
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...device_properties import compute_units
-from ...ops.sampling import check_sample
+from ...ops.sampling import check_sample, filled_truncation
 from ..triton_target import TritonTarget
 from .launch import cached_launch, cdiv, next_power_of_2
 
@@ -81,6 +82,7 @@ def _sample_kernel(
     num_splits,  # programs sharing one row's vocabulary (runtime: batch sizes do not recompile)
     ROWS: tl.constexpr,  # rows per program: 1 for real vocabularies, more when they are tiny
     SPLIT: tl.constexpr,  # num_splits > 1: write per-split bests for _merge_splits_kernel
+    TRUNCATE: tl.constexpr,  # some row may truncate: read keep_score/keep_id (else every token is kept)
     BLOCK_V: tl.constexpr,  # tokens per row and loop step
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -94,8 +96,12 @@ def _sample_kernel(
     temperature = tl.load(temperature_ptr + rows, mask=row_ok, other=0.0)
     sampled = temperature > 0  # the other rows are greedy: plain argmax of the logits
     divisor = tl.where(sampled, temperature, 1.0)[:, None]
-    keep_score = tl.load(keep_score_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    keep_id = tl.load(keep_id_ptr + rows, mask=row_ok, other=0)[:, None]
+    if TRUNCATE:
+        keep_score = tl.load(keep_score_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        keep_id = tl.load(keep_id_ptr + rows, mask=row_ok, other=0)[:, None]
+    else:  # the lowest score and the largest id: every token in the vocabulary is kept
+        keep_score = tl.full([ROWS, 1], float("-inf"), tl.float32)
+        keep_id = tl.full([ROWS, 1], 2147483647, tl.int64)
     seed = tl.load(seeds_ptr + rows, mask=row_ok, other=0)
     seed_key = _hash32(seed.to(tl.uint32) ^ _hash32((seed >> 32).to(tl.uint32)))[:, None]
 
@@ -196,8 +202,8 @@ class SamplingKernels:
         self,
         logits: torch.Tensor,
         temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
+        top_k: torch.Tensor | None,
+        top_p: torch.Tensor | None,
         seeds: torch.Tensor,
     ) -> torch.Tensor:
         """One token id per sequence (see :func:`vllm_port.ops.sampling.sample_reference`)."""
@@ -210,7 +216,12 @@ class SamplingKernels:
             logits = logits.contiguous()
         # the kernel reads one entry per row at +1: a strided view (found by fuzzing) drew from other memory's seeds
         temperature, seeds = temperature.contiguous(), seeds.contiguous()
-        keep_score, keep_id = _kept_threshold(logits, temperature, top_k, top_p)
+        truncate = top_k is not None or top_p is not None
+        if truncate:  # a sort of every row (most of the call's time): only when the caller says a row may truncate
+            top_k, top_p = filled_truncation(top_k, top_p, rows, logits.device)
+            keep_score, keep_id = _kept_threshold(logits, temperature, top_k, top_p)
+        else:
+            keep_score = keep_id = out  # unused
         block = self.target.elementwise_block
         rows_per_program = max(1, block // next_power_of_2(max(vocab, 16)))  # tiny vocabularies share a program
         block_v = block // rows_per_program
@@ -226,6 +237,7 @@ class SamplingKernels:
             rows, vocab, chunk, splits,
             ROWS=rows_per_program,
             SPLIT=splits > 1,
+            TRUNCATE=truncate,
             BLOCK_V=block_v,
             num_warps=4,
         )  # fmt: skip
