@@ -358,9 +358,13 @@ def sample_case(draw: st.DrawFn, dtype: torch.dtype | None = None) -> Case:
         draw(st.lists(st.sampled_from([1e-6, 0.1, 0.5, 0.9, 0.99, 1.0]), min_size=rows, max_size=rows)),
         dtype=torch.float32,
     )
+    # None: the caller says no row truncates by it (what the engine passes for SamplingParams' defaults)
+    top_k = None if draw(st.integers(0, 3)) == 0 else top_k
+    top_p = None if draw(st.integers(0, 3)) == 0 else top_p
     seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g, dtype=torch.int64)
     kinds = ("plain", "offset", "step")
-    args = (layout(draw, logits.to(dtype)), *(layout(draw, t, kinds) for t in (temperature, top_k, top_p, seeds)))
+    rest = (None if t is None else layout(draw, t, kinds) for t in (temperature, top_k, top_p, seeds))
+    args = (layout(draw, logits.to(dtype)), *rest)
     return Case("sample", dtype, args)
 
 
@@ -542,7 +546,8 @@ def _not_tensor(i: int) -> Violation:
 
 
 def _rank(i: int, name: str = "") -> Violation:
-    return _set(i, lambda t: t.unsqueeze(0), name or f"arg {i} with an extra dimension")
+    extra = name or f"arg {i} with an extra dimension"
+    return _set(i, lambda t: t.unsqueeze(0), extra, lambda a: isinstance(a[i], torch.Tensor))
 
 
 def _expanded(i: int) -> Violation:
@@ -898,7 +903,7 @@ def _sample_violations() -> list[Violation]:
         _on_meta(4),
         _not_tensor(2),
         _value("temperature negative or not finite", rows, bad_param(1, [-0.5, -1e-6, NAN, float("inf")])),
-        _value("top_p outside (0, 1]", rows, bad_param(3, [0.0, -0.5, 1.5, NAN])),
+        _value("top_p outside (0, 1]", lambda a: rows(a) and a[3] is not None, bad_param(3, [0.0, -0.5, 1.5, NAN])),
         _value("a NaN logit", lambda a: a[0].numel() > 0, nan_logit),
     ]
 
