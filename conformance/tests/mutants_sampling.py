@@ -34,6 +34,12 @@ def vllm_port_platform_probe():
     return ProbeResult(True, "a test device that is always there", (DeviceInfo("test device", 1 << 30, "test"),))
 
 
+def _checked(logits, temperature, top_k, top_p, seeds):
+    """The contract's input check, then top_k/top_p as tensors (None: no row truncates by it)."""
+    check_sample(logits, temperature, top_k, top_p, seeds)
+    return filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+
+
 def _scores(logits, temperature):
     return logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
 
@@ -65,78 +71,68 @@ def _own_noise(seeds, vocab, rows_too=False):
 
 
 def global_rng(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     noise = -torch.log(-torch.log(torch.rand(scores.shape).clamp(1e-7, 1 - 1e-7)))  # the seeds never read
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
 
 
 def row_shifted_seed(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     noise = gumbel_noise(seeds + torch.arange(len(seeds)), logits.shape[1])  # the row index as an offset
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
 
 
 def neighbour_seed(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     noise = gumbel_noise(seeds + seeds.roll(1), logits.shape[1])  # request i-1's seed mixed into request i's
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
 
 
 def temperature_twice(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(_scores(logits, temperature), temperature)  # once in the model runner, once here
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
 
 
 def temperature_off_5pct(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature * 1.05)
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
 
 
 def scores_in_bf16(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     divisor = torch.where(temperature > 0, temperature, 1.0).to(logits.dtype)
     scores = (logits / divisor[:, None]).float()  # divided in bfloat16: each score rounded to 8 bits
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))
 
 
 def top_k_plus_one(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     keep = _keep(scores, torch.where(top_k > 0, top_k + 1, top_k), top_p)  # `<=` where `<` was meant
     return _draw(logits, temperature, scores, keep, gumbel_noise(seeds, logits.shape[1]))
 
 
 def top_p_ignored(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     keep = _keep(scores, top_k, torch.ones_like(top_p))
     return _draw(logits, temperature, scores, keep, gumbel_noise(seeds, logits.shape[1]))
 
 
 def top_p_first(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     keep = _keep(scores, top_k, top_p, top_p_first=True)
     return _draw(logits, temperature, scores, keep, gumbel_noise(seeds, logits.shape[1]))
 
 
 def greedy_last_max(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     drawn = (scores.masked_fill(~_keep(scores, top_k, top_p), float("-inf")) + gumbel_noise(seeds, logits.shape[1]))
     last_max = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)  # ties go to the highest id
@@ -144,39 +140,34 @@ def greedy_last_max(logits, temperature, top_k, top_p, seeds):
 
 
 def statistical_temperature_off(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature * 1.1)
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), _own_noise(seeds, logits.shape[1]))
 
 
 def statistical_top_k_ignored(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     keep = _keep(scores, torch.zeros_like(top_k), top_p)
     return _draw(logits, temperature, scores, keep, _own_noise(seeds, logits.shape[1]))
 
 
 def statistical_row_keyed(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     noise = _own_noise(seeds, logits.shape[1], rows_too=True)  # a Philox subsequence per batch row
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), noise)
 
 
 def top_k_minus_one_is_one(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     scores = _scores(logits, temperature)
     k = torch.where(top_k == 0, logits.shape[1], top_k).clamp(min=1)  # only 0 means "all": -1 keeps one token
     return _draw(logits, temperature, scores, _keep(scores, k, top_p), gumbel_noise(seeds, logits.shape[1]))
 
 
 def int64_top_k_as_int32(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     if top_k.dtype == torch.int64:  # read through an int32 pointer: the high words (0, "all") land between the ks
         top_k = top_k.contiguous().view(torch.int32)[: top_k.shape[0]]
     scores = _scores(logits, temperature)
@@ -184,8 +175,7 @@ def int64_top_k_as_int32(logits, temperature, top_k, top_p, seeds):
 
 
 def top_p_from_storage_start(logits, temperature, top_k, top_p, seeds):
-    check_sample(logits, temperature, top_k, top_p, seeds)
-    top_k, top_p = filled_truncation(top_k, top_p, logits.shape[0], logits.device)
+    top_k, top_p = _checked(logits, temperature, top_k, top_p, seeds)
     top_p = top_p.as_strided(top_p.shape, top_p.stride(), 0)  # the engine's top_p is the second half of one upload
     scores = _scores(logits, temperature)
     return _draw(logits, temperature, scores, _keep(scores, top_k, top_p), gumbel_noise(seeds, logits.shape[1]))

@@ -31,14 +31,12 @@ def sample(
     rows, vocab = logits.shape
     sampled = temperature > 0
     scores = logits.float() / torch.where(sampled, temperature, 1.0)[:, None]
-    if top_k is None and top_p is None:  # the caller says no row truncates
-        truncating = torch.empty(0, dtype=torch.int64)
-    else:
+    if top_k is not None or top_p is not None:  # both None: the caller says no row truncates
         top_k, top_p = filled_truncation(top_k, top_p, rows, logits.device)
         truncating = (sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))).nonzero().flatten()
-    if truncating.numel():  # a host read of host tensors: the rows that keep every token skip the sort
-        rows = scores.index_select(0, truncating)
-        scores.index_copy_(0, truncating, _truncated(rows, top_k.index_select(0, truncating), top_p[truncating]))
+        if truncating.numel():  # a host read of host tensors: the rows that keep every token skip the sort
+            kept = _truncated(scores.index_select(0, truncating), top_k.index_select(0, truncating), top_p[truncating])
+            scores.index_copy_(0, truncating, kept)
     noisy = scores.add_(gumbel_noise(seeds, vocab))
     return torch.where(sampled, noisy.argmax(dim=-1), logits.argmax(dim=-1))
 
